@@ -194,32 +194,36 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv=None):
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hk * self.d, self.hk * self.d], -1)
-        q, k, v = q.view(B, T, self.h, self.d), k.view(B, T, self.hk, self.d), v.view(B, T, self.hk, self.d)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # (B, T, H, D)
+        H, Hk, D = self.h, self.hk, self.d
+        qkv = self.qkv_proj(x)  # (B, T, (H + 2 Hk) D)
+        v = qkv[..., (H + Hk) * D:].view(B, T, Hk, D)
+        if self.qk_norm:  # qwen3: per-head norms before RoPE, so q and k are rotated separately
+            q, k = qkv[..., :H * D].view(B, T, H, D), qkv[..., H * D:(H + Hk) * D].view(B, T, Hk, D)
+            q, k = rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin)
+        else:  # q and k are adjacent in the fused projection: one RoPE over all H + Hk heads
+            q, k = rotate(qkv[..., :(H + Hk) * D].view(B, T, H + Hk, D), cos, sin).split([H, Hk], 2)
         if kv is None:  # full causal sequence (training, scoring)
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, enable_gqa=True)
-        else:  # write new K/V into the cache, attend over the used prefix with an explicit mask
-            ck, cv, write, mask, S = kv  # ck/cv (B, Hk, max_len, D); mask (B, 1, T, S) bool
-            if ck.dtype != q.dtype:  # cache in another dtype than the compute: attend in its dtype
-                q, k, v = q.to(ck.dtype), k.to(ck.dtype), v.to(ck.dtype)
-            # (scatter_/index_copy_: ~50x faster than `ck[b, :, p] = k` index_put on CPU decode)
-            if write[0] is None:  # every token valid: row b, token t -> slot lengths[b] + t
-                p = write[2][:, None, :, None].expand(B, self.hk, T, self.d)  # (B, Hk, T, D)
-                ck.scatter_(2, p, k.transpose(1, 2))
-                cv.scatter_(2, p, v.transpose(1, 2))
-            else:  # ragged: only tokens t < chunk_lens[b] are written, via flat (row, head, slot) ids
-                b, p, sel = write  # (N,), (N,), (B, T) bool
-                hs = torch.arange(self.hk, device=b.device)
-                flat = ((b[:, None] * self.hk + hs) * ck.shape[2] + p[:, None]).reshape(-1)  # (N*Hk,)
-                ck.view(-1, self.d).index_copy_(0, flat, k[sel].reshape(-1, self.d))  # cache rows are contiguous
-                cv.view(-1, self.d).index_copy_(0, flat, v[sel].reshape(-1, self.d))
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), ck[:, :, :S], cv[:, :, :S],
-                                               attn_mask=mask, enable_gqa=True).to(x.dtype)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.h * self.d))
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+        # cached: write the new K/V, attend over the used prefix of the cache with an explicit mask
+        ck, cv, flat, sel, mask, S = kv  # ck/cv (B, Hk, max_len, D); flat (N*Hk,); mask see forward
+        if ck.dtype != q.dtype:  # cache in another dtype than the compute: attend in its dtype
+            q, k, v = q.to(ck.dtype), k.to(ck.dtype), v.to(ck.dtype)
+        # token (b, t), head h -> flat cache row (b Hk + h) max_len + slot, in (token, head) order
+        # (index_copy_ on a flat view: ~50x faster than `ck[b, :, p] = k` index_put on CPU decode)
+        k, v = (k, v) if sel is None else (k[sel], v[sel])  # ragged: only tokens t < chunk_lens[b]
+        ck.view(-1, D).index_copy_(0, flat, k.reshape(-1, D))
+        cv.view(-1, D).index_copy_(0, flat, v.reshape(-1, D))
+        kc, vc = ck[:, :, :S], cv[:, :, :S]  # (B, Hk, S, D)
+        if T == 1:  # decode: grouped matmuls, no K/V expansion (query head h reads kv head h // G).
+            # SDPA's masked single-query path is ~2x slower on CPU at sampler sizes.
+            s = torch.matmul(q.view(B, Hk, H // Hk, D), kc.transpose(-1, -2))  # (B, Hk, G, S)
+            s = s.mul_(D ** -0.5).masked_fill_(mask, float("-inf"))  # mask (B, 1, 1, S): True = hidden
+            y = torch.matmul(torch.softmax(s, -1, dtype=torch.float32).to(vc.dtype), vc)  # (B, Hk, G, D)
+            return self.o_proj(y.view(B, 1, H * D).to(x.dtype))
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask, enable_gqa=True)  # mask True = seen
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D).to(x.dtype))
 
 
 class MLP(nn.Module):
@@ -290,28 +294,34 @@ class Transformer(nn.Module):
             slots = start[:, None] + ar  # (B, T) cache slot of each token
             if positions is None:
                 positions = slots
-            if chunk_lens is None:
-                new_len = start + T
-                write = (None, torch.arange(B, device=dev)[:, None], slots)
+            if chunk_lens is None:  # every token is real
+                new_len, sel = start + T, None
+                b_idx, p = torch.arange(B, device=dev).repeat_interleave(T), slots.reshape(-1)  # (B T,)
             else:
                 chunk_lens = torch.as_tensor(chunk_lens, dtype=torch.long, device=dev)
                 new_len = start + chunk_lens
                 sel = ar[None, :] < chunk_lens[:, None]  # (B, T) real (not padding) tokens
                 b_idx, t_idx = sel.nonzero(as_tuple=True)  # one data-dependent op per call
-                write = (b_idx, slots[b_idx, t_idx], sel)
+                p = slots[b_idx, t_idx]
             S = max(int(new_len.max()), 1)  # attend only over the used prefix of the cache
             if S > cache.max_len:
                 raise ValueError(f"KV cache overflow: need {S} slots, max_len {cache.max_len}")
-            # query t of row b sees slots j < lengths[b] + t + 1 (one vectorised comparison)
-            mask = torch.arange(S, device=dev) < (slots + 1)[:, :, None]  # (B, T, S)
-            kv_ctx = (write, mask[:, None])
+            hk = cache.k.shape[2]
+            flat = ((b_idx[:, None] * hk + torch.arange(hk, device=dev)) * cache.max_len + p[:, None]).reshape(-1)
+            # query t of row b sees slots j < lengths[b] + t + 1 (one vectorised comparison);
+            # decode (T = 1) takes the complement (True = hidden) for masked_fill_
+            if T == 1:
+                mask = torch.arange(S, device=dev) > slots[:, :, None]  # (B, 1, S)
+            else:
+                mask = torch.arange(S, device=dev) <= slots[:, :, None]  # (B, T, S)
+            kv_ctx = (flat, sel, mask[:, None], S)
         elif positions is None:
             positions = ar[None, :]
         h = self.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = self._rope(positions, h.dtype)  # compute dtype (FSDP2 mixed precision: bf16)
         ckpt = self.activation_checkpointing and torch.is_grad_enabled() and cache is None
         for i, layer in enumerate(self.layers):
-            kv = None if kv_ctx is None else (cache.k[i], cache.v[i], kv_ctx[0], kv_ctx[1], S)
+            kv = None if kv_ctx is None else (cache.k[i], cache.v[i], *kv_ctx)
             if ckpt:
                 h = checkpoint(layer, h, cos, sin, kv, use_reentrant=False)
             else:
