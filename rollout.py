@@ -175,8 +175,9 @@ def _wave(model, rows, sc, stopper, greedy, end_turn, may_continue, max_context,
     longest = max(len(r.t.ids) for r in rows)
     cache = KVCache.for_model(model, len(uniq), min(max_context, longest + sc.max_new_tokens))
     logits = _feed(model, cache, [list(u) for u in uniq])  # (P, V)
-    src_t = torch.tensor(src, dtype=torch.long, device=dev)
-    cache, logits = cache.select(src_t), logits[src_t]  # (P*G rows)
+    if src != list(range(len(uniq))):  # G samples of a prompt: copy its cache rows (P*G rows)
+        src_t = torch.tensor(src, dtype=torch.long, device=dev)
+        cache, logits = cache.select(src_t), logits[src_t]
     while rows:
         for r in rows:
             r.start, r.t.num_turns = len(r.t.ids), r.t.num_turns + 1
