@@ -7,6 +7,10 @@ token ids after each of the first 4 turns, so the ratio measures the sampler, no
 Median over pairs of (multi-turn time / single-turn time), torch threads 2. Also printed: the
 ratio of matmul FLOPs (the 160 observation tokens per row go through the model too, so the
 compute alone is ~2x here; the ratio can only stay low where decode is overhead-bound).
+Also printed, as a diagnostic of the engine itself: the multi-turn time over one turn of 125
+tokens whose prompt already holds the 160 observation tokens (the same tokens through the same
+model, but every decode step attends over the longer context). Near or below 1 means turns
+(parking, cache merges, ragged extends) cost nothing beyond their tokens.
 
     .venv/bin/python bench/multiturn.py [--batches 16,64] [--pairs 3]   # headline: last batch
 """
@@ -62,19 +66,25 @@ def main():
     flops = ((64 + 125 + 160) * layer + 125 * head) / ((64 + 125) * layer + 125 * head)
     for B in [int(x) for x in a.batches.split(",")]:
         prompts = torch.randint(0, SHAPE["vocab_size"], (B, 64), generator=g).tolist()
+        long_prompts = [p + obs * 4 for p in prompts]  # same tokens, observations up front
         run(model, prompts, 5, 25, obs), run(model, prompts, 1, 125, obs)  # warm-up
-        ratios, tm, ts = [], [], []
+        ratios, same, tm, ts = [], [], [], []
         for _ in range(a.pairs):
             t0 = time.perf_counter()
             run(model, prompts, 5, 25, obs)
             t1 = time.perf_counter()
             run(model, prompts, 1, 125, obs)
             t2 = time.perf_counter()
+            run(model, long_prompts, 1, 125, obs)
+            t3 = time.perf_counter()
             tm.append(t1 - t0), ts.append(t2 - t1), ratios.append((t1 - t0) / (t2 - t1))
+            same.append((t1 - t0) / (t3 - t2))
         overhead = statistics.median(ratios)
         print(f"B={B}: 5x25 tokens + 4x40-token observations {statistics.median(tm):.2f}s, 1x125 tokens "
               f"{statistics.median(ts):.2f}s, ratio {overhead:.3f} (pairs: {', '.join(f'{r:.3f}' for r in ratios)}); "
-              f"matmul FLOP ratio {flops:.2f}")
+              f"matmul FLOP ratio {flops:.2f}; vs 1x125 after the same tokens {statistics.median(same):.3f} "
+              f"(pairs: {', '.join(f'{r:.3f}' for r in same)})")
+        print(f"multiturn_vs_same_tokens_b{B}: {statistics.median(same):.3f}")
     print(f"multiturn_overhead: {overhead:.3f}")
 
 
