@@ -207,7 +207,7 @@ class Attention(nn.Module):
                                                is_causal=True, enable_gqa=True)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
         # cached: write the new K/V, attend over the used prefix of the cache with an explicit mask
-        ck, cv, flat, sel, mask, S = kv  # ck/cv (B, Hk, max_len, D); flat (N*Hk,); mask see forward
+        ck, cv, flat, sel, mask, S = kv  # ck/cv (B, Hk, max_len, D); flat (N*Hk,); mask (B, 1, T, S)
         if ck.dtype != q.dtype:  # cache in another dtype than the compute: attend in its dtype
             q, k, v = q.to(ck.dtype), k.to(ck.dtype), v.to(ck.dtype)
         # token (b, t), head h -> flat cache row (b Hk + h) max_len + slot, in (token, head) order
@@ -216,13 +216,7 @@ class Attention(nn.Module):
         ck.view(-1, D).index_copy_(0, flat, k.reshape(-1, D))
         cv.view(-1, D).index_copy_(0, flat, v.reshape(-1, D))
         kc, vc = ck[:, :, :S], cv[:, :, :S]  # (B, Hk, S, D)
-        if T == 1:  # decode: grouped matmuls, no K/V expansion (query head h reads kv head h // G).
-            # SDPA's masked single-query path is ~2x slower on CPU at sampler sizes.
-            s = torch.matmul(q.view(B, Hk, H // Hk, D), kc.transpose(-1, -2))  # (B, Hk, G, S)
-            s = s.mul_(D ** -0.5).masked_fill_(mask, float("-inf"))  # mask (B, 1, 1, S): True = hidden
-            y = torch.matmul(torch.softmax(s, -1, dtype=torch.float32).to(vc.dtype), vc)  # (B, Hk, G, D)
-            return self.o_proj(y.view(B, 1, H * D).to(x.dtype))
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask, enable_gqa=True)  # mask True = seen
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D).to(x.dtype))
 
 
@@ -308,12 +302,8 @@ class Transformer(nn.Module):
                 raise ValueError(f"KV cache overflow: need {S} slots, max_len {cache.max_len}")
             hk = cache.k.shape[2]
             flat = ((b_idx[:, None] * hk + torch.arange(hk, device=dev)) * cache.max_len + p[:, None]).reshape(-1)
-            # query t of row b sees slots j < lengths[b] + t + 1 (one vectorised comparison);
-            # decode (T = 1) takes the complement (True = hidden) for masked_fill_
-            if T == 1:
-                mask = torch.arange(S, device=dev) > slots[:, :, None]  # (B, 1, S)
-            else:
-                mask = torch.arange(S, device=dev) <= slots[:, :, None]  # (B, T, S)
+            # query t of row b sees slots j < lengths[b] + t + 1 (one vectorised comparison)
+            mask = torch.arange(S, device=dev) <= slots[:, :, None]  # (B, T, S)
             kv_ctx = (flat, sel, mask[:, None], S)
         elif positions is None:
             positions = ar[None, :]
