@@ -5,6 +5,12 @@ EOS ignored, batch 16 and 64, torch threads 2. Each pair runs both back to back 
 the ratio printed is the median over pairs of (HF time / our time).
 
     .venv/bin/python bench/sampler.py [--pairs 3] [--batches 16,64]
+    python bench/sampler.py --device cuda --shape qwen2.5-0.5b --batches 64    # GPU, bf16
+
+With --device cuda (or --hbm-gbps) it also prints our decode throughput as a fraction of the
+memory-bandwidth roofline: each decode step must read every weight once plus each row's K/V, so
+tokens/s <= B * bandwidth / (weight bytes + mean K/V bytes per step). Prefill time is included in
+the measured figure, so the fraction is a slight underestimate.
 """
 import argparse
 import os
@@ -22,7 +28,26 @@ from config import SamplingConfig  # noqa: E402
 from model import Transformer  # noqa: E402
 from rollout import generate  # noqa: E402
 
-SHAPE = dict(vocab_size=4096, hidden_size=256, layers=6, heads=4, kv_heads=2, intermediate_size=768)
+SHAPES = {
+    "bench6m": dict(vocab_size=4096, hidden_size=256, layers=6, heads=4, kv_heads=2, intermediate_size=768),
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, layers=24, heads=14, kv_heads=2, intermediate_size=4864),
+}
+HBM_GBPS = {"H100 PCIe": 2000, "H100": 3350, "H200": 4800, "A100-SXM4-80GB": 2039, "A100": 1555}  # spec sheets
+
+
+def hbm_gbps(device) -> float:
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in HBM_GBPS.items() if k in name), 0.0)
+
+
+def roofline_tok_s(model, B: int, prompt: int, new: int, gbps: float) -> float:
+    """Decode tokens/s if each step only streamed the weights and the rows' K/V at `gbps`."""
+    a = model.config
+    elem = next(model.parameters()).element_size()
+    weights = sum(p.numel() for p in model.parameters()) * elem  # a tied matrix is counted once
+    kv_per_tok = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * elem
+    mean_len = prompt + (new + 1) / 2  # cache length averaged over the decode steps
+    return B * gbps * 1e9 / (weights + B * mean_len * kv_per_tok)
 
 
 def main():
@@ -32,20 +57,31 @@ def main():
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shape", default="bench6m", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="", help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--hbm-gbps", type=float, default=0.0, help="memory bandwidth for the roofline "
+                    "(default: the spec sheet of a known CUDA device; none on CPU)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+    dtype = getattr(torch, a.dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
+    shape = SHAPES[a.shape]
     d = tempfile.mkdtemp(prefix="bench_sampler_")
-    tiny.build_tiny_model(d, **SHAPE)
-    ours = Transformer.from_pretrained(d)
-    hf = AutoModelForCausalLM.from_pretrained(d).eval()
+    tiny.build_tiny_model(d, **shape)
+    ours = Transformer.from_pretrained(d, dtype=dtype, device=dev)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(dev).eval()
+    gbps = a.hbm_gbps or (hbm_gbps(dev) if dev.type == "cuda" else 0.0)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     n_params = sum(p.numel() for p in ours.parameters())
-    print(f"model {SHAPE} = {n_params / 1e6:.1f}M params; prompt {a.prompt}, new {a.new}, threads {a.threads}")
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu, threads {a.threads}"
+    print(f"model {a.shape} {shape} = {n_params / 1e6:.1f}M params, {dtype}; prompt {a.prompt}, new {a.new}; {where}")
     cfg = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=a.new, max_context=4096)
     g = torch.Generator().manual_seed(0)
     speedups = {}
     for B in [int(x) for x in a.batches.split(",")]:
-        prompts = torch.randint(0, SHAPE["vocab_size"], (B, a.prompt), generator=g)
-        plist = prompts.tolist()
+        prompts = torch.randint(0, shape["vocab_size"], (B, a.prompt), generator=g)
+        plist, prompts = prompts.tolist(), prompts.to(dev)
 
         def run_hf():
             with torch.no_grad():
@@ -53,10 +89,12 @@ def main():
                                   temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=a.new,
                                   min_new_tokens=a.new, pad_token_id=0, eos_token_id=None)
             assert out.shape == (B, a.prompt + a.new)
+            sync()
 
         def run_ours():
             out = generate(ours, plist, cfg, [], None, seed=0, eos=[])
             assert all(len(t.ids) == a.prompt + a.new for t in out)
+            sync()
 
         run_hf(), run_ours()  # warm-up
         ratios, th, to = [], [], []
@@ -69,8 +107,12 @@ def main():
             th.append(t1 - t0), to.append(t2 - t1), ratios.append((t1 - t0) / (t2 - t1))
         toks = B * a.new
         speedups[B] = statistics.median(ratios)
-        print(f"B={B:3d}  hf generate {toks / statistics.median(th):7.0f} tok/s   ours {toks / statistics.median(to):7.0f} "
+        ours_tok_s = toks / statistics.median(to)
+        print(f"B={B:3d}  hf generate {toks / statistics.median(th):7.0f} tok/s   ours {ours_tok_s:7.0f} "
               f"tok/s   speedup {speedups[B]:.2f}x  (pairs: {', '.join(f'{r:.2f}' for r in ratios)})")
+        if gbps:
+            roof = roofline_tok_s(ours, B, a.prompt, a.new, gbps)
+            print(f"B={B:3d}  roofline at {gbps:.0f} GB/s: {roof:.0f} tok/s; ours reaches {ours_tok_s / roof:.1%}")
     for B, s in speedups.items():
         print(f"speedup_vs_hf_generate_b{B}: {s:.2f}")
 
