@@ -166,9 +166,10 @@ def test_prefill_then_decode_equals_full_forward(models, name):
     assert cache.lengths.tolist() == [30, 30, 30]
 
 
-def test_ragged_chunks_equal_per_row_forward(models):
+@pytest.mark.parametrize("name", ["qwen3", "qwen2_tied"])  # RoPE on q, k apart (qk-norm) / fused
+def test_ragged_chunks_equal_per_row_forward(models, name):
     """Right-padded chunks at different cache positions; a row with chunk_lens 0 is untouched."""
-    m = Transformer.from_pretrained(models["qwen3"][1])
+    m = Transformer.from_pretrained(models[name][1])
     x = ids_for(B=3, T=40, seed=3)
     chunks = [[12, 5, 0], [3, 9, 7], [1, 0, 1], [4, 8, 2]]  # tokens appended per row per call
     total = [sum(c[b] for c in chunks) for b in range(3)]
