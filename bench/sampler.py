@@ -11,6 +11,9 @@ With --device cuda (or --hbm-gbps) it also prints our decode throughput as a fra
 memory-bandwidth roofline: each decode step must read every weight once plus each row's K/V, so
 tokens/s <= B * bandwidth / (weight bytes + mean K/V bytes per step). Prefill time is included in
 the measured figure, so the fraction is a slight underestimate.
+Also printed: the same ratio for a "sampler" that runs only the unavoidable kernels (the real
+prefill, then per step each layer's GEMMs and attention, and the LM head): the ceiling of what
+removing all other work (norms, RoPE, cache writes, sampling, Python) could reach.
 """
 import argparse
 import os
@@ -20,12 +23,13 @@ import tempfile
 import time
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tiny  # noqa: E402
 from config import SamplingConfig  # noqa: E402
-from model import Transformer  # noqa: E402
+from model import KVCache, Transformer  # noqa: E402
 from rollout import generate  # noqa: E402
 
 SHAPES = {
@@ -48,6 +52,31 @@ def roofline_tok_s(model, B: int, prompt: int, new: int, gbps: float) -> float:
     kv_per_tok = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * elem
     mean_len = prompt + (new + 1) / 2  # cache length averaged over the decode steps
     return B * gbps * 1e9 / (weights + B * mean_len * kv_per_tok)
+
+
+@torch.no_grad()
+def kernels_only(model, prompts: torch.Tensor, new: int) -> None:
+    """A lower bound on any sampler built from these kernels: our prefill of `prompts`, then `new`
+    decode steps that run only each layer's GEMMs (qkv, o, gate-up, down), its attention over the
+    real cache length, and the LM head. No norms, RoPE, residuals, cache writes or sampling."""
+    B, P = prompts.shape
+    cache = KVCache.for_model(model, B, P + new)
+    model(prompts, cache=cache, logits_at=torch.full((B,), P - 1))  # the real prefill
+    a, w = model.config, model.embed_tokens.weight
+    H, Hk, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    x = torch.randn(B, 1, a.hidden_size, dtype=w.dtype, device=w.device)
+    q = torch.randn(B, H, 1, D, dtype=w.dtype, device=w.device)
+    for step in range(new):
+        S = P + step + 1
+        mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device=w.device)  # the sampler needs one (ragged rows)
+        for i, layer in enumerate(model.layers):
+            at = layer.self_attn
+            at.qkv_proj(x)
+            y = F.scaled_dot_product_attention(q, cache.k[i][:, :, :S], cache.v[i][:, :, :S], attn_mask=mask,
+                                               enable_gqa=True)
+            at.o_proj(y.transpose(1, 2).reshape(B, 1, H * D))
+            layer.mlp.down_proj(layer.mlp.gate_up_proj(x)[..., :a.intermediate_size])
+        model.lm_head(x)
 
 
 def main():
@@ -96,20 +125,29 @@ def main():
             assert all(len(t.ids) == a.prompt + a.new for t in out)
             sync()
 
-        run_hf(), run_ours()  # warm-up
-        ratios, th, to = [], [], []
+        def run_floor():
+            kernels_only(ours, prompts, a.new)
+            sync()
+
+        run_hf(), run_ours(), run_floor()  # warm-up
+        ratios, floors, th, to = [], [], [], []
         for _ in range(a.pairs):
             t0 = time.perf_counter()
             run_hf()
             t1 = time.perf_counter()
             run_ours()
             t2 = time.perf_counter()
+            run_floor()
+            t3 = time.perf_counter()
             th.append(t1 - t0), to.append(t2 - t1), ratios.append((t1 - t0) / (t2 - t1))
+            floors.append((t1 - t0) / (t3 - t2))
         toks = B * a.new
         speedups[B] = statistics.median(ratios)
         ours_tok_s = toks / statistics.median(to)
         print(f"B={B:3d}  hf generate {toks / statistics.median(th):7.0f} tok/s   ours {ours_tok_s:7.0f} "
               f"tok/s   speedup {speedups[B]:.2f}x  (pairs: {', '.join(f'{r:.2f}' for r in ratios)})")
+        print(f"B={B:3d}  kernels only (prefill + GEMMs + attention, nothing else): {statistics.median(floors):.2f}x "
+              f"HF generate (pairs: {', '.join(f'{r:.2f}' for r in floors)})")
         if gbps:
             roof = roofline_tok_s(ours, B, a.prompt, a.new, gbps)
             print(f"B={B:3d}  roofline at {gbps:.0f} GB/s: {roof:.0f} tok/s; ours reaches {ours_tok_s / roof:.1%}")
