@@ -284,7 +284,7 @@ def cmd_generate(args) -> None:
 
     import config as C
     import dataset
-    import train
+    import distributed
     from model import Transformer
 
     t0 = time.time()
@@ -302,7 +302,7 @@ def cmd_generate(args) -> None:
     if not greedy:
         cfg.sampling.temperature = T
     label = decoding_label(T, cfg.sampling.top_p, args.n)
-    rank, world, device = train.setup_dist()
+    rank, world, device = distributed.setup_dist()
     if args.threads:
         torch.set_num_threads(args.threads)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
@@ -327,7 +327,7 @@ def cmd_generate(args) -> None:
             f"fmt-err {100 * sum(not r['format_ok'] for r in recs) / n_ep:.1f}% "
             f"turns {sum(r['num_turns'] for r in recs) / n_ep:.2f} | {el:.0f}s, "
             f"ETA {el / done * (len(mine) - done):.0f}s")
-    recs = train.all_gather_list(recs)
+    recs = distributed.all_gather_list(recs)
     if rank == 0:
         recs.sort(key=lambda r: (r["index"], r["sample"]))
         summary, preds = summarise_generation(recs, args.n, label)

@@ -29,6 +29,7 @@ sys.path.insert(0, ROOT)
 import config as C  # noqa: E402
 import sft  # noqa: E402
 import tiny  # noqa: E402
+import distributed  # noqa: E402
 import train  # noqa: E402
 from model import Transformer  # noqa: E402
 
@@ -45,9 +46,9 @@ def fake_batch(n: int, vocab: int, seed: int = 0) -> list:
 def measure(model_dir: str, seqs: int, steps: int) -> dict:
     """Per-step seconds of train.update on this rank's share (all ranks run this together)."""
     cfg = C.load_config([os.path.join(ROOT, "configs", "tiny.yaml")])
-    rank, world, device = train.setup_dist()
+    rank, world, device = distributed.setup_dist()
     model = Transformer.from_pretrained(model_dir, dtype=torch.float32, device=device)
-    model = train.shard(model, world, device, cfg)
+    model = distributed.shard(model, world, device, cfg)
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
     sch = torch.optim.lr_scheduler.LambdaLR(opt, sft.lr_lambda(0, 100, "constant"))

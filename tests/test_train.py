@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import config as C
+import distributed
 import rollout
 import sft
 import tiny
@@ -160,7 +161,7 @@ def test_memory_estimate_of_the_7b_recipe_fits_80gb():
         m = Transformer(ModelArgs.from_hf(hf))
     assert 7.5e9 < sum(p.numel() for p in m.parameters()) < 7.7e9
     cfg = C.load_config([str(ROOT / "configs" / "skyrl_sql_7b.yaml")])
-    est = train.memory_estimate(m, cfg, world=8)
+    est = distributed.memory_estimate(m, cfg, world=8)
     assert abs(est["total"] - sum(v for k, v in est.items() if k != "total")) < 1e-6
     assert 40 < est["total"] < 80, est
     assert abs(est["adam"] - 8 * 7.6156e9 / 8 / 1024 ** 3) < 0.05  # two fp32 moments, sharded over 8
