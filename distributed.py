@@ -6,7 +6,7 @@ CUDA uses nccl with bf16 compute / fp32 reduce (GUIDE §5: FSDP2 works on CPU, F
 
     from distributed import setup_dist, shard
     rank, world, device = setup_dist()           # under torchrun or plain python
-    model = shard(model, world, device, cfg)     # fully_shard each block, then the root
+    model = shard(model, world, device)          # fully_shard each block, then the root
 
 Tests: .venv/bin/pytest tests/test_train.py
 """
@@ -57,7 +57,7 @@ def all_gather_list(xs: list) -> list:
     return [x for part in out for x in part]
 
 
-def shard(model: Transformer, world: int, device, cfg: C.Config):
+def shard(model: Transformer, world: int, device):
     """fully_shard each block, then the root. Mixed precision (bf16 compute, fp32 reduce) on GPU."""
     if world == 1:
         return model

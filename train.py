@@ -313,7 +313,7 @@ def main():
         cap = torch.cuda.get_device_properties(device).total_memory / 1024 ** 3
         if est["total"] > cap:
             log.print(f"WARNING: estimated {est['total']:.1f} GB > device memory {cap:.1f} GB")
-    model = shard(model, world, device, cfg)
+    model = shard(model, world, device)
     log.print(f"model: {sum(p.numel() for p in model.parameters()) * world / 1e6:.2f}M params (approx), "
               f"world {world}, device {device.type}")
     o = cfg.optim
@@ -346,7 +346,7 @@ def main():
     if cfg.grpo.kl_beta > 0:  # the frozen reference is the policy at GRPO start (after SFT): ckpt 0
         ref_model = shard(Transformer.from_pretrained(str(Path(cfg.train.out_dir) / "ckpt_000000" / "hf"),
                                                       dtype=torch.float32 if world > 1 else dtype, device=device),
-                          world, device, cfg)
+                          world, device)
         ref_model.requires_grad_(False)
 
     stream = PromptStream(len(train_ex), cfg.train.seed, cursor)

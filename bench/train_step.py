@@ -48,7 +48,7 @@ def measure(model_dir: str, seqs: int, steps: int) -> dict:
     cfg = C.load_config([os.path.join(ROOT, "configs", "tiny.yaml")])
     rank, world, device = distributed.setup_dist()
     model = Transformer.from_pretrained(model_dir, dtype=torch.float32, device=device)
-    model = distributed.shard(model, world, device, cfg)
+    model = distributed.shard(model, world, device)
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
     sch = torch.optim.lr_scheduler.LambdaLR(opt, sft.lr_lambda(0, 100, "constant"))
