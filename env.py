@@ -1,6 +1,6 @@
 """The SQL tool as the model sees it: the two dialogue protocols (SkyRL tags, sql_env actions),
 observations, and one environment step for a batch of rows. Execution is sandbox.py's (hardened
-read-only SQLite in a killable worker pool); its API is re-exported here.
+read-only SQLite in a killable worker pool); run_sql, run_sql_batch and SqlResult are re-exported.
 
     python env.py DB.sqlite "SELECT ..."     # run one query through the sandbox, print the observation
 
@@ -15,8 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sandbox import (KILL_MARGIN_S, SqlResult, get_pool, run_sql, run_sql_batch,  # noqa: F401 (re-exported)
-                     run_sql_local, shutdown_pool, sql_tokens, trim_sql)
+from sandbox import SqlResult, run_sql, run_sql_batch  # noqa: F401 (re-exported: the tool's API in one place)
 
 if TYPE_CHECKING:  # keep the import light (config pulls in yaml)
     from config import EnvConfig

@@ -31,7 +31,7 @@ Summary EX uses reward.mode on the lines as written, so `score` on predictions.s
 Agreement with the official test-suite evaluator (taoyds/test-suite-sql-eval, exec match, default
 settings): 972/972 per-example verdicts on both files in ../shared/data/spider_preds
 (tests/test_eval_score.py). Deliberate differences, none of which occurs in those files:
-- queries run in env's read-only sandbox: a prediction that writes, attaches, etc. is an error
+- queries run in sandbox.py's read-only sandbox: a prediction that writes, attaches, etc. is an error
   (the official script executes it against the database file);
 - each query has a timeout (--timeout, 30 s; the official one cannot interrupt a query), SQL text
   is capped at 100 KB and results at 1e6 rows / 64 MB;
@@ -51,8 +51,8 @@ import re
 import sys
 import time
 
-import env
 import reward
+import sandbox
 
 # -----------------------------------------------------------------------------
 # score
@@ -150,7 +150,7 @@ def one_line(sql: str) -> str:
     /* */ (on one line they would swallow the rest), newlines/tabs inside a literal -> space
     (changes that literal; rare, and the summary scores exactly the line written)."""
     out = []
-    for t in env.sql_tokens(sql):
+    for t in sandbox.sql_tokens(sql):
         if t.isspace():
             out.append(" ")
         elif t.startswith("--"):
@@ -225,7 +225,7 @@ def generate_chunk(model, tok, exs: list[dict], first: int, cfg, n: int, seed: i
     keys = [None] * len(trajs)
     if n > 1:  # majority vote needs each answer's result
         todo = [i for i, (r, e) in enumerate(zip(rws, eps)) if r["format_ok"] and e["final_sql"].strip()]
-        res = env.run_sql_batch([(eps[i]["db_path"], eps[i]["final_sql"]) for i in todo],
+        res = sandbox.run_sql_batch([(eps[i]["db_path"], eps[i]["final_sql"]) for i in todo],
                                 timeout_s=cfg.reward.timeout_s, max_rows=reward.REWARD_MAX_ROWS)
         for i, r in zip(todo, res):
             keys[i] = result_key(r.rows, cfg.reward.mode) if r.ok else None

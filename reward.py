@@ -8,7 +8,7 @@ Modes of execution_match:
           (also count(DISTINCT x) -> count( x)) and only the first statement kept, unless
           keep_distinct; row order compared only when the gold contains 'order by'; otherwise
           bags; a column permutation may align the results; exact values; two empty results equal.
-All SQL runs through env.run_sql_batch (the sandboxed pool) with the reward timeout (30 s default,
+All SQL runs through sandbox.run_sql_batch (the sandboxed pool) with the reward timeout (30 s default,
 separate from the tool's 5 s). Gold results are cached per process (= per run).
 
     python reward.py DB.sqlite "PRED SQL" "GOLD SQL" [set|bag|spider]
@@ -19,11 +19,11 @@ import collections
 import re
 import sys
 
-import env
+import sandbox
 from config import RewardConfig
 
-REWARD_MAX_ROWS = 1_000_000  # fetch (almost) everything; env's byte cap still bounds memory
-_GOLD: dict[tuple[str, str], env.SqlResult] = {}  # (db_path, prepared gold) -> result
+REWARD_MAX_ROWS = 1_000_000  # fetch (almost) everything; the sandbox's byte cap still bounds memory
+_GOLD: dict[tuple[str, str], sandbox.SqlResult] = {}  # (db_path, prepared gold) -> result
 _CUR_YEAR = re.compile(r"YEAR\s*\(\s*CURDATE\s*\(\s*\)\s*\)\s*", re.I)  # the evaluator's rewrite
 
 # sql_env's dense shaping (GUIDE §2), per step; step rewards clamped to CLAMP
@@ -42,7 +42,7 @@ def spider_sql(sql: str, keep_distinct: bool = False) -> str:
     if keep_distinct:
         return sql
     kept = []
-    for t in env.sql_tokens(sql):
+    for t in sandbox.sql_tokens(sql):
         if t.lower() == "distinct":
             continue
         kept.append(t)
@@ -124,7 +124,7 @@ def match_batch(items, mode: str = "set", *, timeout_s: float = 30.0, keep_disti
     preds = [prep(p) if p and p.strip() else "" for _, p, _ in items]
     todo = sorted({k for k in golds if k not in _GOLD})
     jobs = todo + [(db, p) for (db, _), p in zip(golds, preds) if p]
-    res = env.run_sql_batch(jobs, timeout_s=timeout_s, max_rows=REWARD_MAX_ROWS, workers=workers)
+    res = sandbox.run_sql_batch(jobs, timeout_s=timeout_s, max_rows=REWARD_MAX_ROWS, workers=workers)
     for k, r in zip(todo, res):
         if not r.timed_out:  # a timeout may be load; try again next time
             _GOLD[k] = r

@@ -1,11 +1,11 @@
-"""Per-query overhead of the SQL tool (sandbox.py, via env.py) beyond SQLite's own time.
+"""Per-query overhead of the SQL tool (sandbox.py) beyond SQLite's own time.
 
 Queries: the executable Spider dev golds (or, without Spider, cheap queries on a generated
 database). For each query, in one process, the best of `--repeats` timings of:
   raw    plain cached sqlite3 connection, execute + fetchall (SQLite's own time)
-  local  env.run_sql_local: a (reused) hardened connection, progress handler, fetchmany, in-process
-  pool   env.run_sql: the same in a worker process, one call at a time (the IPC round trip)
-and one env.run_sql_batch over all queries (throughput over all workers).
+  local  sandbox.run_sql_local: a (reused) hardened connection, progress handler, fetchmany, in-process
+  pool   sandbox.run_sql: the same in a worker process, one call at a time (the IPC round trip)
+and one sandbox.run_sql_batch over all queries (throughput over all workers).
 The headline is the median over queries of (pool - raw), in ms.
 
     .venv/bin/python bench/sql_tool.py [--repeats 3] [--limit 0]
@@ -19,7 +19,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import env  # noqa: E402
+import sandbox  # noqa: E402
 
 SPIDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "spider")
 
@@ -77,14 +77,14 @@ def main():
         c = conns.get(db) or conns.setdefault(db, sqlite3.connect(f"file:{db}?mode=ro", uri=True))
         c.execute(sql).fetchall()
 
-    env.run_sql_batch(jobs[:50], timeout_s=30)  # start the pool and warm the page cache
+    sandbox.run_sql_batch(jobs[:50], timeout_s=30)  # start the pool and warm the page cache
     t_raw, t_local, t_pool = [], [], []
     for db, sql in jobs:
         t_raw.append(best(lambda: raw(db, sql), a.repeats))
-        t_local.append(best(lambda: env.run_sql_local(db, sql, 30.0), a.repeats))
-        t_pool.append(best(lambda: env.run_sql(db, sql, timeout_s=30.0), a.repeats))
+        t_local.append(best(lambda: sandbox.run_sql_local(db, sql, 30.0), a.repeats))
+        t_pool.append(best(lambda: sandbox.run_sql(db, sql, timeout_s=30.0), a.repeats))
     t0 = time.perf_counter()
-    res = env.run_sql_batch(jobs, timeout_s=30.0)
+    res = sandbox.run_sql_batch(jobs, timeout_s=30.0)
     t_batch = time.perf_counter() - t0
     assert all(r.ok for r in res), [r.error for r in res if not r.ok][:3]
 
@@ -96,7 +96,7 @@ def main():
           f"(p90 pool {1000 * sorted(over_pool)[int(0.9 * len(over_pool))]:.3f} ms)")
     print(f"ratio pool/raw (medians): {statistics.median(t_pool) / statistics.median(t_raw):.2f}x; "
           f"total raw {sum(t_raw):.2f} s vs one-at-a-time pool {sum(t_pool):.2f} s")
-    n = env.get_pool().n
+    n = sandbox.get_pool().n
     print(f"batch of {len(jobs)} over {n} workers: {t_batch:.2f} s = {1000 * t_batch / len(jobs):.3f} ms/query "
           f"(raw sequential {sum(t_raw):.2f} s; speed-up {sum(t_raw) / t_batch:.2f}x)")
     print(f"sql_tool_overhead_ms: {ms(over_pool):.3f}")

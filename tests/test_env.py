@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import env
+import sandbox
 from config import EnvConfig
 
 T = 1.0  # tool timeout used in these tests
@@ -116,8 +117,8 @@ def test_missing_database_is_an_error_and_creates_nothing(tmp_path):
 
 def test_sql_tokens_round_trip_and_trim():
     for s in ["SELECT 'a;b' FROM t -- x;\n;", "SELECT \"x\"\"y\" /* ; */ ;", "SELECT 'unterminated", "[a;b]`c`"]:
-        assert "".join(env.sql_tokens(s)) == s
-    assert env.trim_sql(" ;SELECT 'a;' ; -- c\n ; ") == "SELECT 'a;'"
+        assert "".join(sandbox.sql_tokens(s)) == s
+    assert sandbox.trim_sql(" ;SELECT 'a;' ; -- c\n ; ") == "SELECT 'a;'"
 
 
 # -----------------------------------------------------------------------------
@@ -161,7 +162,7 @@ def _adversarial_run(dbs, tmp_path):
             wall = time.monotonic() - t0
             # ordinary queries: within the deadline + 0.1 s; a single long opcode (printf's padding
             # loop here) is killed at the hard wall budget
-            limit = T_ADV + env.KILL_MARGIN_S + 0.2 if r.error.startswith("killed") else T_ADV + 0.1
+            limit = T_ADV + sandbox.KILL_MARGIN_S + 0.2 if r.error.startswith("killed") else T_ADV + 0.1
             assert wall < limit, (sql, wall, r.error)
             assert not r.ok and r.error, (sql, r)
             assert "\n" not in r.error and len(r.error) < 300, r.error  # one clean line
@@ -172,7 +173,7 @@ def _adversarial_run(dbs, tmp_path):
     ours = [f for f in appeared if "etilqs" in f or "evil" in f or f.endswith(("-journal", "-wal", "-shm"))
             or any(Path(f).name.startswith(p.stem) for p in dbs)]
     assert not ours, ours
-    for w in env.get_pool().workers:  # nor unlinked temp files still held open by a worker
+    for w in sandbox.get_pool().workers:  # nor unlinked temp files still held open by a worker
         fd_dir = f"/proc/{w.proc.pid}/fd"
         for fd in os.listdir(fd_dir) if os.path.isdir(fd_dir) else []:
             if int(fd) <= 2:  # stdio inherited from pytest's capture (an O_TMPFILE of its own)
@@ -200,14 +201,14 @@ def test_single_long_opcode_is_killed_and_worker_replaced(tiny_db):
     # instr() over a 1 MB haystack and a 300 KB needle is one opcode running for ~10 s: the progress
     # handler never fires, only the pool's hard wall budget (timeout + KILL_MARGIN_S) stops it
     slow = "SELECT instr(printf('%.*c', 1000000, 'a'), printf('%.*c', 300000, 'a') || 'b')"
-    pool = env.get_pool().wait_ready()
+    pool = sandbox.get_pool().wait_ready()
     before = pool.replaced
     t0 = time.monotonic()
     rs = env.run_sql_batch([(tiny_db, slow), (tiny_db, "SELECT count(*) FROM singer")], timeout_s=0.3)
     wall = time.monotonic() - t0
     assert rs[0].timed_out and not rs[0].ok and "killed" in rs[0].error
     assert rs[1].ok and rs[1].rows == [(60,)]  # in order, unaffected
-    assert wall < 0.3 + env.KILL_MARGIN_S + 0.3, wall
+    assert wall < 0.3 + sandbox.KILL_MARGIN_S + 0.3, wall
     assert pool.replaced == before + 1
     assert env.run_sql(tiny_db, "SELECT 1", timeout_s=T).rows == [(1,)]  # the replacement works
 
@@ -218,7 +219,7 @@ def test_pool_order_memory_cap_and_byte_cap(tiny_db):
     rs = env.run_sql_batch(jobs, timeout_s=0.3)
     assert rs[7].timed_out and "interrupted" in rs[7].error
     assert all(r.rows == [(i, min(i, 60))] for i, r in enumerate(rs) if i != 7)
-    for w in env.get_pool().workers:  # RLIMIT_AS is set in every worker
+    for w in sandbox.get_pool().workers:  # RLIMIT_AS is set in every worker
         limits = Path(f"/proc/{w.proc.pid}/limits").read_text()
         line = next(l for l in limits.splitlines() if l.startswith("Max address space"))
         assert "unlimited" not in line, line
@@ -232,7 +233,7 @@ def test_timeout_answered_before_sqlite_cleanup(tiny_db):
     # 2 s of an unbounded in-memory sort holds ~100 MB; freeing it takes 0.1-0.3 s after the
     # interrupt. The worker answers first, cleans up after, and takes no job until it is idle.
     sort = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i+1 FROM r) SELECT i FROM r ORDER BY random()"
-    env.get_pool().wait_ready()
+    sandbox.get_pool().wait_ready()
     t0 = time.monotonic()
     r = env.run_sql(tiny_db, sort, timeout_s=2.0)
     assert r.timed_out and "interrupted" in r.error and time.monotonic() - t0 < 2.0 + 0.1
@@ -247,7 +248,7 @@ def test_bad_sql_objects(tiny_db, sql):
 
 
 def test_pool_survives_a_worker_killed_from_outside(tiny_db):
-    pool = env.get_pool()
+    pool = sandbox.get_pool()
     env.run_sql(tiny_db, "SELECT 1")
     before = pool.replaced
     victim = pool.workers[0].proc
@@ -271,7 +272,7 @@ def test_workers_do_not_reimport_the_callers_main(tiny_db, tmp_path):
 
 def test_batch_runs_in_parallel_and_pool_survives(tiny_db):
     sleepy = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i+1 FROM r) SELECT count(*) FROM r"
-    n = env.get_pool().wait_ready().n  # (a worker replaced by an earlier test may still be booting)
+    n = sandbox.get_pool().wait_ready().n  # (a worker replaced by an earlier test may still be booting)
     t0 = time.monotonic()
     rs = env.run_sql_batch([(tiny_db, sleepy)] * n, timeout_s=0.4)
     assert all(r.timed_out for r in rs)
