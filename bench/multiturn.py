@@ -31,9 +31,10 @@ import tiny  # noqa: E402
 from config import SamplingConfig  # noqa: E402
 from model import KVCache, Transformer  # noqa: E402
 from rollout import Trajectory, _engine  # noqa: E402
+from sampler import SHAPES  # noqa: E402  (bench/sampler.py: the script's folder is on sys.path)
 from sampling import StopChecker, row_key  # noqa: E402
 
-SHAPE = dict(vocab_size=4096, hidden_size=256, layers=6, heads=4, kv_heads=2, intermediate_size=768)
+SHAPE = SHAPES["bench6m"]
 
 
 def run(model, prompts, turns, per_turn, obs):
