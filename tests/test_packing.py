@@ -1,0 +1,192 @@
+"""Shared-prompt packing (packing.py) against the padded per-sequence path it replaces: the same
+per-token logprobs and entropies, and through train.update the same loss and gradients for every
+loss aggregation, ppo_epochs × mini_batches, kl_beta > 0, activation checkpointing, multi-turn
+trajectories (observation tokens masked), groups that fall back to the plain layout. ~20 s.
+
+    python -m pytest -q tests/test_packing.py
+"""
+import copy
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import config as C
+import grpo
+import packing
+import train
+from model import ModelArgs, Transformer
+
+V = 97
+
+
+def make_model(seed=0, qk_norm=False):
+    torch.manual_seed(seed)
+    a = ModelArgs(model_type="qwen2", vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, qkv_bias=True, qk_norm=qk_norm)
+    m = Transformer(a)
+    for p in m.parameters():  # non-trivial weights (biases, norms) so any mask/position error shows
+        torch.nn.init.normal_(p, std=0.3)
+    return m.float()
+
+
+def make_trajs(n_groups=3, G=4, seed=0, multi_turn=True):
+    """Groups of G trajectories sharing a prompt; responses of different lengths with observation
+    tokens (mask 0) between sampled turns; a few with an empty loss."""
+    rng = random.Random(seed)
+    trajs = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(V) for _ in range(rng.randint(5, 12))]
+        for s in range(G):
+            ids, mask = list(prompt), [0] * len(prompt)
+            for turn in range(rng.randint(1, 3) if multi_turn else 1):
+                k = rng.randint(1, 6)
+                ids += [rng.randrange(V) for _ in range(k)]
+                mask += [1] * k
+                if multi_turn and turn < 2:
+                    k = rng.randint(1, 4)  # observation: context, not loss
+                    ids += [rng.randrange(V) for _ in range(k)]
+                    mask += [0] * k
+            logprobs = [-rng.random() if m else 0.0 for m in mask]
+            trajs.append(SimpleNamespace(prompt_ids=prompt, ids=ids, loss_mask=mask, logprobs=logprobs))
+    rng.shuffle(trajs)  # groups are found by identical prompt ids, not by order
+    return trajs
+
+
+# -----------------------------------------------------------------------------
+# the model: packed rows score exactly like padded rows
+
+
+@pytest.mark.parametrize("budget", [10_000, 40])
+def test_packed_logprobs_equal_padded(budget):
+    model = make_model(qk_norm=True)
+    trajs = make_trajs()
+    seqs = [(t.ids, t.loss_mask) for t in trajs]
+    rows = packing.plan(seqs, [len(t.prompt_ids) for t in trajs], budget)
+    assert sorted(i for r in rows for i in r.members) == list(range(len(trajs)))
+    if budget == 10_000:  # everything in one row, each group's prompt computed once
+        assert len(rows) == 1 and len(rows[0].ids) < sum(len(t.ids) for t in trajs)
+    else:  # groups larger than 40 tokens fall back to one unit per sequence; rows stay ≤ budget
+        assert all(len(r.ids) <= 40 or len(r.members) == 1 for r in rows)
+    with torch.no_grad():
+        ids = packing.pad([t.ids for t in trajs], 0, "cpu")
+        ref_lp, ref_ent = train.token_logprobs(model, ids, 0.7)
+        for r in rows:
+            lp, ent = packing.forward(model, r, "cpu", 0.7)
+            for i, a, b in zip(r.members, lp.split(r.counts), ent.split(r.counts)):
+                m = torch.tensor(trajs[i].loss_mask[1:], dtype=torch.bool)
+                assert a.shape[0] == int(m.sum())
+                torch.testing.assert_close(a, ref_lp[i, :len(m)][m], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(b, ref_ent[i, :len(m)][m], atol=1e-5, rtol=1e-5)
+
+
+def test_plain_row_uses_no_mask_and_plan_groups_by_prompt_ids():
+    seqs = [([1, 2, 3, 4], [0, 0, 1, 1]), ([1, 2, 5], [0, 0, 1]), ([9, 2, 3], [0, 0, 1])]
+    rows = packing.plan(seqs, [2, 2, 2], budget=100)
+    row, = rows
+    assert row.members == [0, 1, 2] and row.ids == [1, 2, 3, 4, 5, 9, 2, 3]
+    assert row.positions == [0, 1, 2, 3, 2, 0, 1, 2] and row.seg == [0, 0, 1, 1, 2, 0, 0, 0]  # a lone sequence: one segment
+    # loss token 3 of seq 0 and token 5 of seq 1 are both predicted by the shared prompt's last token
+    assert row.src[0] == 1 and row.src[2] == 1 and row.counts == [2, 1, 1]
+    solo, = packing.plan([seqs[0]], None, budget=100)
+    assert solo.plain and not row.plain
+    m = packing.attention_mask(torch.tensor(row.doc), torch.tensor(row.seg))[0, 0]
+    assert m[4].tolist() == [True, True, False, False, True, False, False, False]  # 5 sees prompt, self
+
+
+def test_fp32_lm_head_matches_fp32_model_in_bf16():
+    model = make_model()
+    ids = torch.randint(0, V, (2, 12))
+    with torch.no_grad():
+        ref, _ = model(ids[:, :-1], targets=ids[:, 1:])
+        bf = copy.deepcopy(model).to(torch.bfloat16)
+        lo, _ = bf(ids[:, :-1], targets=ids[:, 1:])
+        bf.fp32_lm_head = True
+        hi, _ = bf(ids[:, :-1], targets=ids[:, 1:])
+    # the head in fp32 removes the head's bf16 rounding: closer to the fp32 model
+    assert (hi - ref).abs().mean() < (lo - ref).abs().mean()
+
+
+# -----------------------------------------------------------------------------
+# train.update: packed gradients equal the padded per-sequence reference
+
+
+class Capture:
+    """An optimizer that records the gradients at each step instead of stepping."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, []
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        self.grads.append([p.grad.clone() for p in self.model.parameters()])
+
+
+def reference_update(model, ref_model, trajs, adv, cfg):
+    """The padded per-sequence path: one row per trajectory, old/ref logprobs per trajectory."""
+    g, T = cfg.grpo, cfg.sampling.temperature
+    need_old = g.ppo_epochs * g.mini_batches > 1
+    with torch.no_grad():
+        old = [train.token_logprobs(model, torch.tensor([t.ids]), T)[0][0] for t in trajs]
+        ref = [train.token_logprobs(ref_model, torch.tensor([t.ids]), T)[0][0] for t in trajs] if ref_model else None
+    grads, n = [], len(trajs)
+    for _ in range(g.ppo_epochs):
+        bounds = [round(k * n / g.mini_batches) for k in range(g.mini_batches + 1)]
+        for k in range(g.mini_batches):
+            idx = list(range(bounds[k], bounds[k + 1]))
+            masks = [torch.tensor(trajs[i].loss_mask[1:], dtype=torch.float32) for i in idx]
+            norm = grpo.global_norm(masks, g.loss_agg)
+            model.zero_grad(set_to_none=True)
+            ids = packing.pad([trajs[i].ids for i in idx], 0, "cpu")
+            mask = packing.pad([trajs[i].loss_mask for i in idx], 0, "cpu", torch.float32)[:, 1:]
+            lp, ent = train.token_logprobs(model, ids, T)
+            old_lp = packing.pad([old[i].tolist() for i in idx], 0.0, "cpu", torch.float32) if need_old else lp.detach()
+            ref_lp = packing.pad([ref[i].tolist() for i in idx], 0.0, "cpu", torch.float32) if ref else None
+            loss, _ = grpo.policy_loss(lp, old_lp, adv[idx], mask, clip_low=g.clip_low, clip_high=g.clip_high,
+                                       ref_logp=ref_lp, kl_beta=g.kl_beta, agg=g.loss_agg, norm=norm,
+                                       entropy=ent, max_len=64)
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            # the same (plain SGD) step update() takes, so later mini-batches see the same weights
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.05 * p.grad
+    return grads
+
+
+class SGDCapture(Capture):
+    def step(self):
+        super().step()
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p -= 0.05 * p.grad
+
+
+CASES = [(agg, 1, 1, 0.0, False) for agg in grpo.AGGS] + [
+    ("token-mean", 2, 1, 0.0, False), ("token-mean", 1, 2, 0.0, True), ("seq-mean-token-mean", 2, 2, 0.1, False),
+    ("drgrpo", 2, 3, 0.1, True)]
+
+
+@pytest.mark.parametrize("agg,epochs,minis,kl,ckpt", CASES)
+def test_update_gradients_equal_padded_reference(agg, epochs, minis, kl, ckpt):
+    trajs = make_trajs(seed=1)
+    adv = torch.randn(len(trajs), generator=torch.Generator().manual_seed(0))
+    cfg = C.load_config([f"--grpo.loss_agg={agg}", f"--grpo.ppo_epochs={epochs}", f"--grpo.mini_batches={minis}",
+                         f"--grpo.kl_beta={kl}", "--grpo.drgrpo_max_len=64", "--optim.grad_clip=1e9",
+                         "--optim.micro_batch_tokens=60", "--sampling.temperature=0.9"])
+    model = make_model(1)
+    ref_model = make_model(2) if kl > 0 else None
+    ref_copy = copy.deepcopy(model)
+    opt = SGDCapture(model)
+    model.set_activation_checkpointing(ckpt)
+    sch = SimpleNamespace(step=lambda: None)
+    out = train.update(model, ref_model, opt, sch, trajs, adv, cfg, 1, torch.device("cpu"))
+    want = reference_update(ref_copy, ref_model, trajs, adv, cfg)
+    assert len(opt.grads) == len(want) == epochs * minis and out["skipped"] == 0.0
+    for got_step, want_step in zip(opt.grads, want):
+        for a, b in zip(got_step, want_step):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert all(p.grad is None for p in model.parameters())  # freed after the optimizer step
