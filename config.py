@@ -35,6 +35,7 @@ class ModelConfig:
     build_tiny: bool = True  # if `path` does not exist, build a tiny random model there
     dtype: str = choice("float32", "float32", "bfloat16")  # param dtype (GPU: bf16 mixed prec.)
     activation_checkpointing: bool = False
+    fp32_lm_head: bool = False  # bf16 runs: LM head matmul + log-softmax of the loss in fp32
     # shape of the tiny model built when build_tiny and the folder is absent
     tiny_family: str = choice("qwen2", "qwen2", "qwen3", "llama")
     tiny_vocab_size: int = 1024
@@ -135,6 +136,10 @@ class OptimConfig:
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     grad_clip: float = 0.5
     micro_batch_tokens: int = 16384  # tokens per forward/backward micro-batch
+    # packed rows of at most this many tokens, several per micro-batch (0: one row per micro-batch).
+    # CUDA's FlexAttention skips masked blocks: 0 is best there. CPU (SDPA with a dense mask, T² per
+    # row): ~512 measured best on the tiny model
+    pack_row_tokens: int = 0
 
 
 @dataclass

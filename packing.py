@@ -89,20 +89,46 @@ def units(seqs: list[tuple[list[int], list[int]]], prompt_lens: list[int], budge
     return out
 
 
-def plan(seqs: list[tuple[list[int], list[int]]], prompt_lens: list[int] | None, budget: int) -> list[Row]:
-    """Rows of at most `budget` tokens (a unit larger than that gets a row of its own), filled
-    first-fit over units taken longest first. seqs: (ids, loss_mask) aligned lists."""
+@dataclass
+class MicroBatch:
+    """Rows forwarded together as one (B, T) batch, right-padded to the longest row."""
+    rows: list[Row]
+
+    @property
+    def members(self) -> list[int]:
+        return [i for r in self.rows for i in r.members]
+
+    @property
+    def counts(self) -> list[int]:
+        return [c for r in self.rows for c in r.counts]
+
+
+def plan(seqs: list[tuple[list[int], list[int]]], prompt_lens: list[int] | None, budget: int,
+         row_tokens: int = 0) -> list[MicroBatch]:
+    """Micro-batches of ≤ `budget` tokens (rows × longest row) made of rows of ≤ `row_tokens`
+    (0: = budget, one row per micro-batch); a unit larger than a row gets a row of its own.
+    Rows are filled first-fit over units taken longest first. seqs: (ids, loss_mask) lists.
+
+    Why rows shorter than the budget: without a block-sparse kernel (CPU: SDPA with a dense
+    mask) attention costs T² per row, so long rows waste it on masked pairs; FlexAttention on
+    CUDA skips masked blocks and one row per micro-batch is best there."""
     prompt_lens = prompt_lens or [0] * len(seqs)
-    us = units(seqs, prompt_lens, budget)
+    row_tokens = min(row_tokens or budget, budget)
+    us = units(seqs, prompt_lens, row_tokens)
     size = [P + sum(len(seqs[i][0]) - P for i in m) for P, m in us]
     rows: list[Row] = []
     for u in sorted(range(len(us)), key=lambda u: -size[u]):
-        row = next((r for r in rows if len(r.ids) + size[u] <= budget), None)
+        row = next((r for r in rows if len(r.ids) + size[u] <= row_tokens), None)
         if row is None:
             row = Row()
             rows.append(row)
         _append(row, seqs, *us[u])
-    return rows
+    mbs: list[MicroBatch] = []
+    for row in sorted(rows, key=lambda r: -len(r.ids)):  # longest first: rows[0] sets the width
+        if not mbs or len(mbs[-1].rows[0].ids) * (len(mbs[-1].rows) + 1) > budget:
+            mbs.append(MicroBatch([]))
+        mbs[-1].rows.append(row)
+    return mbs
 
 
 def _append(row: Row, seqs, P: int, members: list[int]):
@@ -134,29 +160,34 @@ def _append(row: Row, seqs, P: int, members: list[int]):
 
 
 def attention_mask(doc: torch.Tensor, seg: torch.Tensor):
-    """Query q may see key k iff same unit, k <= q, and k is in the prompt or q's own response.
-    CUDA: a FlexAttention BlockMask (fused kernel, no (T, T) matrix); else a (1, 1, T, T) bool."""
+    """doc, seg (B, T). Query q may see key k iff same unit, k <= q, and k is in the prompt or in
+    q's own response. CUDA: a FlexAttention BlockMask (fused, skips masked blocks, never a
+    (T, T) matrix); else a (B, 1, T, T) bool tensor for SDPA."""
     if doc.is_cuda:
         from torch.nn.attention.flex_attention import create_block_mask
 
         def mask_mod(b, h, q, k):
-            return (doc[q] == doc[k]) & (k <= q) & ((seg[k] == 0) | (seg[k] == seg[q]))
-        T = doc.shape[0]
-        return create_block_mask(mask_mod, None, None, T, T, device=doc.device)
-    q, k = doc[:, None], doc[None, :]
-    ar = torch.arange(doc.shape[0], device=doc.device)
-    causal = ar[None, :] <= ar[:, None]
-    return ((q == k) & causal & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None])))[None, None]
+            return (doc[b, q] == doc[b, k]) & (k <= q) & ((seg[b, k] == 0) | (seg[b, k] == seg[b, q]))
+        B, T = doc.shape
+        return create_block_mask(mask_mod, B, None, T, T, device=doc.device)
+    ar = torch.arange(doc.shape[1], device=doc.device)
+    causal = ar[None, :] <= ar[:, None]  # (T, T)
+    same = doc[:, :, None] == doc[:, None, :]  # (B, T, T)
+    own = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])
+    return (same & causal & own)[:, None]
 
 
-def forward(model, row: Row, device, temperature: float):
-    """Logprobs and entropies of the row's loss tokens, each (N,), in row order (member by member)."""
-    ids = torch.tensor([row.ids], dtype=torch.long, device=device)  # (1, T)
-    pos = torch.tensor([row.positions], dtype=torch.long, device=device)
-    mask = None if row.plain else attention_mask(torch.tensor(row.doc, device=device),
-                                                 torch.tensor(row.seg, device=device))
-    src = torch.tensor(row.src, dtype=torch.long, device=device)
-    tgt = torch.tensor(row.tgt, dtype=torch.long, device=device)
+def forward(model, mb: MicroBatch, device, temperature: float):
+    """Logprobs and entropies of the micro-batch's loss tokens, each (N,), in member order."""
+    rows = mb.rows
+    ids = pad([r.ids for r in rows], 0, device)  # (B, T)
+    pos = pad([r.positions for r in rows], 0, device)
+    B, T = ids.shape
+    plain = all(r.plain for r in rows)  # one sequence per row: causal, right padding is harmless
+    # padding tokens form their own unit (doc -1): they see only each other, so no row is empty
+    mask = None if plain else attention_mask(pad([r.doc for r in rows], -1, device), pad([r.seg for r in rows], 0, device))
+    src = torch.tensor([b * T + s for b, r in enumerate(rows) for s in r.src], dtype=torch.long, device=device)
+    tgt = torch.tensor([t for r in rows for t in r.tgt], dtype=torch.long, device=device)
     return model(ids, positions=pos, targets=tgt, temperature=temperature, attn_mask=mask, loss_index=src)
 
 

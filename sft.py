@@ -97,11 +97,12 @@ def lr_lambda(warmup: int, total: int, schedule: str = "constant", min_ratio: fl
     return f
 
 
-def sft_loss_sum(model, seqs, temperature: float = 1.0):
+def sft_loss_sum(model, seqs, temperature: float = 1.0, row_tokens: int = 0):
     """Sum over masked tokens of −logp for a micro-batch of (ids, mask), packed into one
-    padding-free row (each sequence attends to itself only); the caller divides by the global
+    padding-free row (each sequence attends to itself only; rows of ≤ row_tokens when > 0, see
+    packing.plan); the caller divides by the global
     token count so micro-batches and ranks add up to one token-mean."""
     device = next(model.parameters()).device
-    row, = packing.plan(seqs, None, budget=sum(len(s[0]) for s in seqs))
-    logp, _ = packing.forward(model, row, device, temperature)  # (N,) loss tokens only
+    mb, = packing.plan(seqs, None, budget=1 << 62, row_tokens=row_tokens or sum(len(s[0]) for s in seqs))
+    logp, _ = packing.forward(model, mb, device, temperature)  # (N,) loss tokens only
     return -logp.sum()

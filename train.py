@@ -137,17 +137,17 @@ def token_logprobs(model, ids: torch.Tensor, temperature: float):
     return model(ids[:, :-1], targets=ids[:, 1:], temperature=temperature)
 
 
-def score(model, rows, temperature: float, device) -> dict[int, torch.Tensor]:
+def score(model, mbs, temperature: float, device) -> dict[int, torch.Tensor]:
     """No-grad logprobs of every sequence's loss tokens: {sequence index: (n_loss_tokens,)}.
     Stored per sequence, so any later packing (mini-batches, epochs) can look them up."""
     out = {}
     with torch.no_grad():
-        for row in packing.pad_to_same_count(rows, device):
-            if row is None:
+        for mb in packing.pad_to_same_count(mbs, device):
+            if mb is None:
                 model(packing.dummy(device))  # keeps FSDP2's all-gathers in step across ranks
                 continue
-            lp, _ = packing.forward(model, row, device, temperature)
-            out.update(zip(row.members, lp.split(row.counts)))
+            lp, _ = packing.forward(model, mb, device, temperature)
+            out.update(zip(mb.members, lp.split(mb.counts)))
     return out
 
 
@@ -163,9 +163,10 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
                                   dtype=torch.float32, device=device) for i, t in enumerate(trajs)}
     # old logprobs: equal to the current ones (detached) when there is a single update per batch
     need_old = g.ppo_epochs * g.mini_batches > 1
-    all_rows = packing.plan(seqs, prompt_lens, budget) if need_old or ref_model is not None else []
-    old = score(model, all_rows, T, device) if need_old else {}
-    ref = score(ref_model, all_rows, T, device) if ref_model is not None else {}
+    row_tokens = cfg.optim.pack_row_tokens
+    all_mbs = packing.plan(seqs, prompt_lens, budget, row_tokens) if need_old or ref_model is not None else []
+    old = score(model, all_mbs, T, device) if need_old else {}
+    ref = score(ref_model, all_mbs, T, device) if ref_model is not None else {}
     stats, n_steps = {}, 0
     for epoch in range(g.ppo_epochs):
         # mini-batch split: contiguous slices of this rank's trajectories
@@ -176,22 +177,22 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
             masks = [torch.tensor(seqs[i][1][1:], dtype=torch.float32) for i in idx]
             norm = grpo.global_norm(masks, g.loss_agg)
             optimizer.zero_grad(set_to_none=True)
-            rows = packing.plan([seqs[i] for i in idx], [prompt_lens[i] for i in idx], budget)
-            for row in packing.pad_to_same_count(rows, device):
-                if row is None:  # this rank has fewer micro-batches
+            mbs = packing.plan([seqs[i] for i in idx], [prompt_lens[i] for i in idx], budget, row_tokens)
+            for mb in packing.pad_to_same_count(mbs, device):
+                if mb is None:  # this rank has fewer micro-batches
                     packing.dummy_backward(model, device)
                     continue
-                members = [idx[j] for j in row.members]
-                lp_flat, ent_flat = packing.forward(model, row, device, T)  # (N,) loss tokens only
+                members = [idx[j] for j in mb.members]
+                lp_flat, ent_flat = packing.forward(model, mb, device, T)  # (N,) loss tokens only
                 # (members, longest) per-sequence layout for the loss; padding is masked out
-                lp, ent = packing.pad_flat(lp_flat, row.counts), packing.pad_flat(ent_flat, row.counts)
-                mask = packing.pad_flat(torch.ones_like(lp_flat.detach()), row.counts)
-                old_lp = packing.pad_flat(torch.cat([old[i] for i in members]), row.counts) if need_old \
+                lp, ent = packing.pad_flat(lp_flat, mb.counts), packing.pad_flat(ent_flat, mb.counts)
+                mask = packing.pad_flat(torch.ones_like(lp_flat.detach()), mb.counts)
+                old_lp = packing.pad_flat(torch.cat([old[i] for i in members]), mb.counts) if need_old \
                     else lp.detach()
-                ref_lp = packing.pad_flat(torch.cat([ref[i] for i in members]), row.counts) if ref else None
+                ref_lp = packing.pad_flat(torch.cat([ref[i] for i in members]), mb.counts) if ref else None
                 # hook (rollout/trainer mismatch, importance-sampling corrections): the sampler's
                 # logprobs, aligned like old_lp; policy_loss can take them as a keyword argument
-                rollout_logp = packing.pad_flat(torch.cat([rollout_lp[i] for i in members]), row.counts)  # noqa: F841
+                rollout_logp = packing.pad_flat(torch.cat([rollout_lp[i] for i in members]), mb.counts)  # noqa: F841
                 a = torch.tensor([adv[i] for i in members], dtype=torch.float32, device=device)
                 loss, m = grpo.policy_loss(lp, old_lp, a, mask, clip_low=g.clip_low, clip_high=g.clip_high,
                                            dual_clip_c=g.dual_clip_c, ref_logp=ref_lp, kl_beta=g.kl_beta,
@@ -305,6 +306,7 @@ def main():
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     model = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32 if world > 1 else dtype, device=device)
     model.set_activation_checkpointing(cfg.model.activation_checkpointing)
+    model.fp32_lm_head = cfg.model.fp32_lm_head
     est = memory_estimate(model, cfg, world)
     log.print("memory estimate per device (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in est.items()))
     if device.type == "cuda":
@@ -429,12 +431,12 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, make_o
         n_tok = all_sum([sum(sum(m[1:]) for _, m in seqs)], device)[0]
         opt.zero_grad(set_to_none=True)
         tot = 0.0
-        rows = packing.plan(seqs, None, cfg.optim.micro_batch_tokens)  # padding-free rows
-        for row in packing.pad_to_same_count(rows, device):
-            if row is None:
+        mbs = packing.plan(seqs, None, cfg.optim.micro_batch_tokens, cfg.optim.pack_row_tokens)
+        for mb in packing.pad_to_same_count(mbs, device):
+            if mb is None:
                 packing.dummy_backward(model, device)
                 continue
-            loss_sum = sft.sft_loss_sum(model, [seqs[j] for j in row.members])
+            loss_sum = sft.sft_loss_sum(model, [seqs[j] for j in mb.members], row_tokens=cfg.optim.pack_row_tokens)
             (loss_sum / n_tok * world).backward()
             tot += loss_sum.detach().item()
         stats = {}

@@ -58,23 +58,27 @@ def make_trajs(n_groups=3, G=4, seed=0, multi_turn=True):
 # the model: packed rows score exactly like padded rows
 
 
-@pytest.mark.parametrize("budget", [10_000, 40])
-def test_packed_logprobs_equal_padded(budget):
+@pytest.mark.parametrize("budget,row_tokens", [(10_000, 0), (40, 0), (200, 70)])
+def test_packed_logprobs_equal_padded(budget, row_tokens):
     model = make_model(qk_norm=True)
     trajs = make_trajs()
     seqs = [(t.ids, t.loss_mask) for t in trajs]
-    rows = packing.plan(seqs, [len(t.prompt_ids) for t in trajs], budget)
-    assert sorted(i for r in rows for i in r.members) == list(range(len(trajs)))
+    mbs = packing.plan(seqs, [len(t.prompt_ids) for t in trajs], budget, row_tokens)
+    assert sorted(i for mb in mbs for i in mb.members) == list(range(len(trajs)))
+    limit = row_tokens or budget
+    for mb in mbs:  # rows ≤ their limit unless a single sequence; micro-batches ≤ budget unless one row
+        assert all(len(r.ids) <= limit or len(r.members) == 1 for r in mb.rows)
+        assert len(mb.rows) == 1 or len(mb.rows) * max(len(r.ids) for r in mb.rows) <= budget
     if budget == 10_000:  # everything in one row, each group's prompt computed once
-        assert len(rows) == 1 and len(rows[0].ids) < sum(len(t.ids) for t in trajs)
-    else:  # groups larger than 40 tokens fall back to one unit per sequence; rows stay ≤ budget
-        assert all(len(r.ids) <= 40 or len(r.members) == 1 for r in rows)
+        assert len(mbs) == 1 and len(mbs[0].rows[0].ids) < sum(len(t.ids) for t in trajs)
+    if row_tokens:
+        assert any(len(mb.rows) > 1 for mb in mbs)  # several padded rows in one micro-batch
     with torch.no_grad():
         ids = packing.pad([t.ids for t in trajs], 0, "cpu")
         ref_lp, ref_ent = train.token_logprobs(model, ids, 0.7)
-        for r in rows:
-            lp, ent = packing.forward(model, r, "cpu", 0.7)
-            for i, a, b in zip(r.members, lp.split(r.counts), ent.split(r.counts)):
+        for mb in mbs:
+            lp, ent = packing.forward(model, mb, "cpu", 0.7)
+            for i, a, b in zip(mb.members, lp.split(mb.counts), ent.split(mb.counts)):
                 m = torch.tensor(trajs[i].loss_mask[1:], dtype=torch.bool)
                 assert a.shape[0] == int(m.sum())
                 torch.testing.assert_close(a, ref_lp[i, :len(m)][m], atol=1e-5, rtol=1e-5)
@@ -83,15 +87,15 @@ def test_packed_logprobs_equal_padded(budget):
 
 def test_plain_row_uses_no_mask_and_plan_groups_by_prompt_ids():
     seqs = [([1, 2, 3, 4], [0, 0, 1, 1]), ([1, 2, 5], [0, 0, 1]), ([9, 2, 3], [0, 0, 1])]
-    rows = packing.plan(seqs, [2, 2, 2], budget=100)
-    row, = rows
+    mb, = packing.plan(seqs, [2, 2, 2], budget=100)
+    row, = mb.rows
     assert row.members == [0, 1, 2] and row.ids == [1, 2, 3, 4, 5, 9, 2, 3]
     assert row.positions == [0, 1, 2, 3, 2, 0, 1, 2] and row.seg == [0, 0, 1, 1, 2, 0, 0, 0]  # a lone sequence: one segment
     # loss token 3 of seq 0 and token 5 of seq 1 are both predicted by the shared prompt's last token
     assert row.src[0] == 1 and row.src[2] == 1 and row.counts == [2, 1, 1]
     solo, = packing.plan([seqs[0]], None, budget=100)
-    assert solo.plain and not row.plain
-    m = packing.attention_mask(torch.tensor(row.doc), torch.tensor(row.seg))[0, 0]
+    assert solo.rows[0].plain and not row.plain
+    m = packing.attention_mask(torch.tensor([row.doc]), torch.tensor([row.seg]))[0, 0]
     assert m[4].tolist() == [True, True, False, False, True, False, False, False]  # 5 sees prompt, self
 
 
@@ -176,7 +180,8 @@ def test_update_gradients_equal_padded_reference(agg, epochs, minis, kl, ckpt):
     adv = torch.randn(len(trajs), generator=torch.Generator().manual_seed(0))
     cfg = C.load_config([f"--grpo.loss_agg={agg}", f"--grpo.ppo_epochs={epochs}", f"--grpo.mini_batches={minis}",
                          f"--grpo.kl_beta={kl}", "--grpo.drgrpo_max_len=64", "--optim.grad_clip=1e9",
-                         "--optim.micro_batch_tokens=60", "--sampling.temperature=0.9"])
+                         "--optim.micro_batch_tokens=60", f"--optim.pack_row_tokens={30 if ckpt else 0}",
+                         "--sampling.temperature=0.9"])
     model = make_model(1)
     ref_model = make_model(2) if kl > 0 else None
     ref_copy = copy.deepcopy(model)
