@@ -10,13 +10,16 @@ Process group, FSDP2 sharding and the collectives live in distributed.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 
 import checkpoint
 import config as C
@@ -25,7 +28,8 @@ import grpo
 import reward
 import rollout
 import sft
-from distributed import all_gather_list, all_max, all_sum, memory_estimate, setup_dist, shard, unsharded
+from distributed import (all_gather_list, all_max, all_sum, compute_dtype, memory_estimate, param_count,
+                         setup_dist, shard, unsharded)
 from model import Transformer
 
 # -----------------------------------------------------------------------------
@@ -112,6 +116,29 @@ class PromptStream:
             out.append(self._perm[pos])
             self.cursor += 1
         return out
+
+
+# -----------------------------------------------------------------------------
+# optimizer and learning-rate schedule (SFT and GRPO alike)
+
+
+def lr_lambda(warmup: int, total: int, schedule: str = "constant", min_ratio: float = 0.0):
+    """Multiplier of the base lr at optimizer step `step`: linear warmup over `warmup` steps, then
+    constant or cosine down to min_ratio at `total`."""
+    def f(step):
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "cosine":
+            t = min(1.0, (step - warmup) / max(1, total - warmup))
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+        return 1.0
+    return f
+
+
+def make_optimizer(model, o: C.OptimConfig, lr: float, warmup: int, total: int):
+    """AdamW over the (fp32 master) parameters + its LambdaLR schedule."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total, o.schedule, o.min_lr_ratio))
 
 
 # -----------------------------------------------------------------------------
@@ -231,21 +258,17 @@ def dummy(device):
 # rollout → reward
 
 
-def episodes_of(trajs, exs, db_root):
-    return [{"db_path": dataset.abs_db_path(ex, db_root), "gold_sql": ex["gold_sql"], "response": t.text,
-             "final_sql": t.final_sql, "finished": t.finished, "steps": t.steps}
-            for t, ex in zip(trajs, exs)]
-
-
-def run_episodes(model, tok, exs, cfg: C.Config, *, n: int, seed: int, greedy: bool):
-    """Rollout (weights unsharded once) then rewards. Returns (trajs, reward dicts, t_rollout, t_reward)."""
+def run_episodes(model, tok, exs, cfg: C.Config, *, n: int, seed: int, greedy: bool, sampling=None):
+    """Rollout (weights unsharded once) then rewards. Returns (trajs, reward dicts, t_rollout, t_reward).
+    sampling: the SamplingConfig to decode with (default cfg.sampling)."""
     t0 = time.time()
     with unsharded(model):
-        trajs = rollout.rollout(model, tok, exs, cfg.env, cfg.sampling, cfg.data, cfg.data.db_root,
+        trajs = rollout.rollout(model, tok, exs, cfg.env, sampling or cfg.sampling, cfg.data, cfg.data.db_root,
                                 n=n, seed=seed, greedy=greedy)
     t1 = time.time()
     rep = [ex for ex in exs for _ in range(n)]  # rollout returns the n samples of an example together
-    rw = reward.episode_rewards(episodes_of(trajs, rep, cfg.data.db_root), cfg.reward, cfg.env.protocol)
+    rw = reward.episode_rewards([reward.episode(t, ex, cfg.data.db_root) for t, ex in zip(trajs, rep)],
+                                cfg.reward, cfg.env.protocol)
     return trajs, rw, t1 - t0, time.time() - t1
 
 
@@ -266,8 +289,10 @@ def reduce_summary(s: dict, device) -> dict:
 
 def evaluate(model, tok, eval_ex, cfg, rank, world, device, log: Log, step: int, prefix="eval"):
     mine = eval_ex[rank::world]
-    greedy = cfg.sampling.eval_temperature == 0
-    trajs, rw, tr, _ = run_episodes(model, tok, mine, cfg, n=1, seed=cfg.train.seed + 10_000, greedy=greedy)
+    T = cfg.sampling.eval_temperature  # greedy at 0, else sampled at T (as eval.py does)
+    sampling = dataclasses.replace(cfg.sampling, temperature=T) if T > 0 else cfg.sampling
+    trajs, rw, tr, _ = run_episodes(model, tok, mine, cfg, n=1, seed=cfg.train.seed + 10_000, greedy=T == 0,
+                                    sampling=sampling)
     m = reduce_summary(summarise(trajs, rw), device)
     m = {f"{prefix}/{k}": v for k, v in m.items()}
     log.metrics(step, m)
@@ -287,9 +312,21 @@ def show_samples(log: Log, trajs, rw, exs, k=2):
 # main
 
 
+def check_resumable(ck: str, cfg: C.Config):
+    """Refuse to continue a checkpoint trained under another recipe (a silent mix of two runs),
+    unless --train.resume=force. Only C.RESUMABLE_KEYS (length, cadence, logging) may change."""
+    saved = C.from_dict(yaml.safe_load((Path(ck) / "config.yaml").read_text()))
+    diff = C.changed_keys(saved, cfg)
+    if diff and cfg.train.resume != "force":
+        a, b = C.all_keys(saved), C.all_keys(cfg)
+        lines = "\n".join(f"  {k}: {a[k]!r} (checkpoint) -> {b[k]!r} (now)" for k in diff)
+        raise C.ConfigError(f"{ck} was trained with a different config:\n{lines}\n"
+                            "use another train.out_dir, or --train.resume=force to continue anyway")
+
+
 def main():
     cfg = C.load_config()
-    rank, world, device = setup_dist()
+    rank, world, device = setup_dist(cfg.train.dist_timeout_s)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     log = Log(cfg, rank)
@@ -304,8 +341,8 @@ def main():
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     train_ex = dataset.load_examples(cfg.data.train_path, cfg.data.db_root, cfg.data.max_train_examples)
     eval_ex = dataset.load_examples(cfg.data.eval_path, cfg.data.db_root, cfg.data.max_eval_examples)
-    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    model = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32 if world > 1 else dtype, device=device)
+    # fp32 master weights on every world size; model.dtype is the compute dtype (FSDP2 casts)
+    model = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32, device=device)
     model.set_activation_checkpointing(cfg.model.activation_checkpointing)
     est = memory_estimate(model, cfg, world)
     log.print("memory estimate per device (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in est.items()))
@@ -313,20 +350,16 @@ def main():
         cap = torch.cuda.get_device_properties(device).total_memory / 1024 ** 3
         if est["total"] > cap:
             log.print(f"WARNING: estimated {est['total']:.1f} GB > device memory {cap:.1f} GB")
-    model = shard(model, world, device)
-    log.print(f"model: {sum(p.numel() for p in model.parameters()) * world / 1e6:.2f}M params (approx), "
-              f"world {world}, device {device.type}")
+    model = shard(model, compute_dtype(cfg))
+    log.print(f"model: {param_count(model) / 1e6:.2f}M params, world {world}, device {device.type}, "
+              f"fp32 masters, {cfg.model.dtype} compute")
     o = cfg.optim
-
-    def make_opt(lr, warmup, total):
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-        sch = torch.optim.lr_scheduler.LambdaLR(opt, sft.lr_lambda(warmup, total, o.schedule, o.min_lr_ratio))
-        return opt, sch
-
-    optimizer, scheduler = make_opt(o.lr, o.warmup_steps, cfg.train.steps * cfg.grpo.ppo_epochs * cfg.grpo.mini_batches)
+    optimizer, scheduler = make_optimizer(model, o, o.lr, o.warmup_steps,
+                                          cfg.train.steps * cfg.grpo.ppo_epochs * cfg.grpo.mini_batches)
     step, cursor, bad = 0, 0, 0
-    ck = checkpoint.latest(cfg.train.out_dir) if cfg.train.resume else None
+    ck = checkpoint.latest(cfg.train.out_dir) if cfg.train.resume != "false" else None
     if ck:
+        check_resumable(ck, cfg)
         extra = checkpoint.load(ck, model, optimizer, scheduler)
         step, cursor = extra["step"], extra["cursor"]
         # the config's lr wins over the saved one (a no-op when unchanged: resume stays exact)
@@ -336,7 +369,7 @@ def main():
         log.print(f"resumed from {ck} at step {step}")
     else:
         if cfg.sft.steps > 0:
-            run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, make_opt)
+            run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log)
         checkpoint.save(cfg.train.out_dir, 0, model, optimizer, scheduler, tok, cfg, {"cursor": 0},
                         keep=cfg.train.keep_checkpoints)
     if step == 0:  # held-out EX before any GRPO step (after the warm start)
@@ -345,8 +378,7 @@ def main():
     ref_model = None
     if cfg.grpo.kl_beta > 0:  # the frozen reference is the policy at GRPO start (after SFT): ckpt 0
         ref_model = shard(Transformer.from_pretrained(str(Path(cfg.train.out_dir) / "ckpt_000000" / "hf"),
-                                                      dtype=torch.float32 if world > 1 else dtype, device=device),
-                          world, device)
+                                                      dtype=torch.float32, device=device), compute_dtype(cfg))
         ref_model.requires_grad_(False)
 
     stream = PromptStream(len(train_ex), cfg.train.seed, cursor)
@@ -418,14 +450,14 @@ def main():
         dist.destroy_process_group()
 
 
-def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, make_opt):
+def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log):
     """Warm start on gold trajectories (loss on model-side tokens only, token-mean over the batch)."""
     s = cfg.sft
     t0 = time.time()
     prompts = sft.render_prompts(tok, train_ex, cfg.data, cfg.env.protocol, cfg.data.db_root)
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]
     data = sft.build_dataset(train_ex, prompts, tok, cfg, db_paths)
-    opt, sch = make_opt(s.lr, s.warmup_steps, s.steps)
+    opt, sch = make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
     for i, idx in enumerate(sft.batches(len(data), s.batch_size, s.steps, cfg.train.seed, rank, world)):
         seqs = [data[j] for j in idx]
         n_tok = all_sum([sum(sum(m[1:]) for _, m in seqs)], device)[0]
