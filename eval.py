@@ -218,8 +218,7 @@ def generate_chunk(model, tok, exs: list[dict], first: int, cfg, n: int, seed: i
     reps = [ex for ex in exs for _ in range(n)]  # rollout is example-major too
     lines = [one_line(t.final_sql) if t.finished else "" for t in trajs]
     spider = cfg.reward.mode == "spider"  # score the line as `score` will read it
-    eps = [{"db_path": ex["db_file"], "gold_sql": ex["gold_sql"], "response": t.text,
-            "final_sql": official_pred_text(line) if spider else line, "finished": t.finished, "steps": t.steps}
+    eps = [reward.episode(t, ex, cfg.data.db_root, official_pred_text(line) if spider else line)
            for t, ex, line in zip(trajs, reps, lines)]
     rws = reward.episode_rewards(eps, cfg.reward, cfg.env.protocol)
     keys = [None] * len(trajs)
