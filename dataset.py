@@ -110,6 +110,16 @@ def abs_db_path(example: dict, db_root) -> str:
     return example.get("db_file") or str((Path(db_root) / example["db_path"]).resolve())
 
 
+def fit_prompts(examples: list[dict], prompt_lengths: list[int], max_prompt_tokens: int,
+                max_context: int) -> tuple[list[dict], int]:
+    """Keep the examples whose rendered prompt has at most max_prompt_tokens tokens and leaves
+    room for at least one generated token in max_context (a longer one could only give an empty
+    episode). -> (kept examples in order, number dropped)."""
+    limit = min(max_prompt_tokens, max_context - 1)
+    kept = [ex for ex, n in zip(examples, prompt_lengths, strict=True) if n <= limit]
+    return kept, len(examples) - len(kept)
+
+
 def load_examples(path, db_root, limit=0) -> list[dict]:
     """Read and validate a canonical jsonl file; return its records (first `limit` if > 0).
 

@@ -99,6 +99,22 @@ def tokenizer_corpus(cfg: C.Config) -> list[str]:
     return texts
 
 
+def load_split(path: str, limit: int, tok, cfg: C.Config, log: "Log", name: str) -> list[dict]:
+    """Records of one split, minus those whose prompt exceeds data.max_prompt_tokens (or cannot
+    fit sampling.max_context with one generated token): counted and reported, never silent."""
+    exs = dataset.load_examples(path, cfg.data.db_root, limit)
+    lengths = [len(rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root)) for ex in exs]
+    kept, dropped = dataset.fit_prompts(exs, lengths, cfg.data.max_prompt_tokens, cfg.sampling.max_context)
+    if dropped:
+        log.print(f"{name}: dropped {dropped} of {len(exs)} examples whose prompt is longer than "
+                  f"{min(cfg.data.max_prompt_tokens, cfg.sampling.max_context - 1)} tokens "
+                  f"(data.max_prompt_tokens {cfg.data.max_prompt_tokens}, sampling.max_context "
+                  f"{cfg.sampling.max_context})")
+    if not kept:
+        raise C.ConfigError(f"{name}: every prompt of {path} is too long (data.max_prompt_tokens)")
+    return kept
+
+
 class PromptStream:
     """The global order of training prompts: seeded epochs, a cursor saved in checkpoints."""
 
@@ -339,8 +355,8 @@ def main():
 
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    train_ex = dataset.load_examples(cfg.data.train_path, cfg.data.db_root, cfg.data.max_train_examples)
-    eval_ex = dataset.load_examples(cfg.data.eval_path, cfg.data.db_root, cfg.data.max_eval_examples)
+    train_ex = load_split(cfg.data.train_path, cfg.data.max_train_examples, tok, cfg, log, "train")
+    eval_ex = load_split(cfg.data.eval_path, cfg.data.max_eval_examples, tok, cfg, log, "eval")
     # fp32 master weights on every world size; model.dtype is the compute dtype (FSDP2 casts)
     model = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32, device=device)
     model.set_activation_checkpointing(cfg.model.activation_checkpointing)
