@@ -152,6 +152,32 @@ def unsharded(model):
         units[0].set_reshard_after_forward(False, recurse=False)
 
 
+class PeakMemory:
+    """Peak CUDA memory per phase of a step (GB), reset at each phase's start, for comparing a
+    GPU run with memory_estimate(). Every phase() is a no-op off CUDA (peaks stays empty)."""
+
+    def __init__(self, device):
+        self.device, self.peaks = device, {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if self.device.type != "cuda":
+            yield
+            return
+        torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            yield
+        finally:
+            gb = torch.cuda.max_memory_allocated(self.device) / 1024 ** 3
+            self.peaks[name] = max(self.peaks.get(name, 0.0), gb)
+
+    def metrics(self) -> dict:
+        """{"mem/<phase>_peak_gb": GB} since the last call (then cleared)."""
+        out = {f"mem/{k}_peak_gb": v for k, v in self.peaks.items()}
+        self.peaks = {}
+        return out
+
+
 def memory_estimate(model: Transformer, cfg: C.Config, world: int) -> dict:
     """GB per device, for the FSDP2 layout used on every world size (one rank included): fp32
     master weights, fp32 gradients and two fp32 AdamW moments, each sharded over `world`; the full

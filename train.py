@@ -10,6 +10,7 @@ Process group, FSDP2 sharding and the collectives live in distributed.py.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -28,8 +29,8 @@ import grpo
 import reward
 import rollout
 import sft
-from distributed import (all_gather_list, all_max, all_sum, compute_dtype, memory_estimate, param_count,
-                         setup_dist, shard, unsharded)
+from distributed import (PeakMemory, all_gather_list, all_max, all_sum, compute_dtype, memory_estimate,
+                         param_count, setup_dist, shard, unsharded)
 from model import Transformer
 
 # -----------------------------------------------------------------------------
@@ -274,17 +275,20 @@ def dummy(device):
 # rollout → reward
 
 
-def run_episodes(model, tok, exs, cfg: C.Config, *, n: int, seed: int, greedy: bool, sampling=None):
+def run_episodes(model, tok, exs, cfg: C.Config, *, n: int, seed: int, greedy: bool, sampling=None,
+                 mem: PeakMemory | None = None):
     """Rollout (weights unsharded once) then rewards. Returns (trajs, reward dicts, t_rollout, t_reward).
-    sampling: the SamplingConfig to decode with (default cfg.sampling)."""
+    sampling: the SamplingConfig to decode with (default cfg.sampling); mem: records CUDA peaks."""
+    phase = mem.phase if mem is not None else (lambda name: contextlib.nullcontext())
     t0 = time.time()
-    with unsharded(model):
+    with phase("rollout"), unsharded(model):
         trajs = rollout.rollout(model, tok, exs, cfg.env, sampling or cfg.sampling, cfg.data, cfg.data.db_root,
                                 n=n, seed=seed, greedy=greedy)
     t1 = time.time()
     rep = [ex for ex in exs for _ in range(n)]  # rollout returns the n samples of an example together
-    rw = reward.episode_rewards([reward.episode(t, ex, cfg.data.db_root) for t, ex in zip(trajs, rep)],
-                                cfg.reward, cfg.env.protocol)
+    with phase("reward"):
+        rw = reward.episode_rewards([reward.episode(t, ex, cfg.data.db_root) for t, ex in zip(trajs, rep)],
+                                    cfg.reward, cfg.env.protocol)
     return trajs, rw, t1 - t0, time.time() - t1
 
 
@@ -401,6 +405,7 @@ def main():
     G, P = cfg.grpo.group_size, cfg.grpo.prompts_per_step
     assert P % world == 0, f"grpo.prompts_per_step={P} must be divisible by the world size {world}"
     t_start = time.time()
+    mem = PeakMemory(device)  # CUDA: peak GB per phase in each step's metrics (mem/*_peak_gb)
     while step < cfg.train.steps:
         t0 = time.time()
         trajs, rws, exs, t_roll, t_rew = [], [], [], 0.0, 0.0
@@ -409,7 +414,7 @@ def main():
             idx = stream.take(P)[rank::world]
             batch = [train_ex[i] for i in idx]
             seed = (cfg.train.seed * 1_000_003 + step * 1009 + rnd * 101 + rank) % (2 ** 31)
-            tr, rw, a, b = run_episodes(model, tok, batch, cfg, n=G, seed=seed, greedy=False)
+            tr, rw, a, b = run_episodes(model, tok, batch, cfg, n=G, seed=seed, greedy=False, mem=mem)
             t_roll, t_rew = t_roll + a, t_rew + b
             reps = [ex for ex in batch for _ in range(G)]
             seen_t, seen_r, seen_x = seen_t + tr, seen_r + rw, seen_x + reps
@@ -427,7 +432,8 @@ def main():
         t1 = time.time()
         n_kept, n_seen = all_sum([len(trajs), len(seen_t)], device)
         if n_kept > 0:  # every rank joins the update (FSDP collectives), even one with no groups kept
-            m = update(model, ref_model, optimizer, scheduler, trajs, adv, cfg, world, device)
+            with mem.phase("update"):
+                m = update(model, ref_model, optimizer, scheduler, trajs, adv, cfg, world, device)
         else:  # all groups had equal rewards: nothing to learn from, not an error
             m = {}
             log.print(f"step {step + 1}: every group had equal rewards: no update")
@@ -441,7 +447,7 @@ def main():
         eta = (time.time() - t_start) / (step - (cursor // P)) * (cfg.train.steps - step) if step > cursor // P else 0
         metrics = {**{f"train/{k}": v for k, v in s.items()}, **{f"train/{k}": v for k, v in m.items()},
                    "time/rollout": t_roll, "time/reward": t_rew, "time/update": t_upd, "time/step": dt,
-                   "train/tokens_per_s": tok_s, "train/lr": scheduler.get_last_lr()[0]}
+                   "train/tokens_per_s": tok_s, "train/lr": scheduler.get_last_lr()[0], **mem.metrics()}
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
             log.metrics(step, metrics)
             log.print(f"step {step}/{cfg.train.steps} | reward {s['reward']:+.3f} EX {100 * s['ex']:.1f}% "
