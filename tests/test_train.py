@@ -123,6 +123,33 @@ def test_two_process_torchrun_run(tmp_path):
     ours = Transformer.from_pretrained(str(hf))
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.allclose(ref(ids).logits, ours(ids), atol=1e-4)
+    # saved on 2 ranks, resumed on 1 (rank 0 reads the full state dicts, any world size loads them)
+    p = run_train(small_args(tmp_path) + ["--train.steps=3"], tmp_path / "run", nproc=1)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0 and "resumed from" in out and "at step 2" in out, out[-3000:]
+    assert (tmp_path / "run" / "ckpt_000003").exists()
+
+
+def test_bf16_end_to_end_with_fp32_masters_resumes_on_two_ranks(tmp_path):
+    """model.dtype bfloat16 on one process: SFT, rollout, update, checkpoint all run on the FSDP2
+    path with fp32 masters (the checkpoint holds fp32 weights), and the run resumes on 2 ranks."""
+    args = small_args(tmp_path) + ["--model.dtype=bfloat16", "--model.activation_checkpointing=true"]
+    p = run_train(args + ["--train.steps=2"], tmp_path / "run")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0 and "fp32 masters, bfloat16 compute" in out, out[-3000:]
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "run" / "ckpt_000002" / "hf" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+    m = read_metrics(tmp_path / "run")
+    assert all(r["train/grad_norm"] == r["train/grad_norm"] for r in m if "train/grad_norm" in r)  # finite
+    p = run_train(args + ["--train.steps=3"], tmp_path / "run", nproc=2)
+    out, _ = p.communicate(timeout=400)
+    assert p.returncode == 0 and "resumed from" in out and "at step 2" in out, out[-3000:]
+    assert (tmp_path / "run" / "ckpt_000003").exists()
+    # a changed recipe is refused, naming the key; only --train.resume=force continues
+    p = run_train(args + ["--train.steps=4", "--optim.lr=0.5"], tmp_path / "run")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode != 0 and "optim.lr" in out and "--train.resume=force" in out, out[-3000:]
 
 
 def test_kill_and_resume_is_exact(tmp_path):
