@@ -204,3 +204,16 @@ def test_lr_schedule_and_micro_batch_packing():
     assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths)))
     for mb in mbs:  # padded size within budget unless a single sequence is longer
         assert len(mb) == 1 or max(lengths[i] for i in mb) * len(mb) <= 32
+
+
+def test_memory_estimate_counts_the_one_rank_fsdp2_layout():
+    """1 rank, bf16 compute: fp32 masters + fp32 grads + 2 fp32 moments, and a bf16 gathered copy."""
+    from model import ModelArgs
+    with torch.device("meta"):
+        m = Transformer(ModelArgs(model_type="qwen2", vocab_size=1000, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    n, gb = sum(p.numel() for p in m.parameters()), 1024 ** 3
+    for dtype, unsharded_bytes in (("bfloat16", 2), ("float32", 4)):
+        est = distributed.memory_estimate(m, C.load_config([f"--model.dtype={dtype}"]), world=1)
+        assert abs(est["params"] - 4 * n / gb) < 1e-12 and abs(est["adam"] - 8 * n / gb) < 1e-12
+        assert abs(est["rollout_weights"] - unsharded_bytes * n / gb) < 1e-12
