@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -138,3 +139,15 @@ def load(path: str, model, optimizer, scheduler) -> dict:
     if rank < len(rngs) and rngs[rank] is not None:
         set_rng_state(rngs[rank])
     return {"step": meta["step"], **meta["extra"]}
+
+
+def check_resumable(ck: str, cfg: C.Config):
+    """Refuse to continue a checkpoint trained under another recipe (a silent mix of two runs),
+    unless --train.resume=force. Only C.RESUMABLE_KEYS (length, cadence, logging) may change."""
+    saved = C.from_dict(yaml.safe_load((Path(ck) / "config.yaml").read_text()))
+    diff = C.changed_keys(saved, cfg)
+    if diff and cfg.train.resume != "force":
+        a, b = C.all_keys(saved), C.all_keys(cfg)
+        lines = "\n".join(f"  {k}: {a[k]!r} (checkpoint) -> {b[k]!r} (now)" for k in diff)
+        raise C.ConfigError(f"{ck} was trained with a different config:\n{lines}\n"
+                            "use another train.out_dir, or --train.resume=force to continue anyway")

@@ -13,19 +13,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import yaml
 
 import checkpoint
 import config as C
 import dataset
 import grpo
+import optim
 import reward
 import rollout
 import sft
@@ -133,29 +132,6 @@ class PromptStream:
             out.append(self._perm[pos])
             self.cursor += 1
         return out
-
-
-# -----------------------------------------------------------------------------
-# optimizer and learning-rate schedule (SFT and GRPO alike)
-
-
-def lr_lambda(warmup: int, total: int, schedule: str = "constant", min_ratio: float = 0.0):
-    """Multiplier of the base lr at optimizer step `step`: linear warmup over `warmup` steps, then
-    constant or cosine down to min_ratio at `total`."""
-    def f(step):
-        if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
-        if schedule == "cosine":
-            t = min(1.0, (step - warmup) / max(1, total - warmup))
-            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
-        return 1.0
-    return f
-
-
-def make_optimizer(model, o: C.OptimConfig, lr: float, warmup: int, total: int):
-    """AdamW over the (fp32 master) parameters + its LambdaLR schedule."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total, o.schedule, o.min_lr_ratio))
 
 
 # -----------------------------------------------------------------------------
@@ -332,18 +308,6 @@ def show_samples(log: Log, trajs, rw, exs, k=2):
 # main
 
 
-def check_resumable(ck: str, cfg: C.Config):
-    """Refuse to continue a checkpoint trained under another recipe (a silent mix of two runs),
-    unless --train.resume=force. Only C.RESUMABLE_KEYS (length, cadence, logging) may change."""
-    saved = C.from_dict(yaml.safe_load((Path(ck) / "config.yaml").read_text()))
-    diff = C.changed_keys(saved, cfg)
-    if diff and cfg.train.resume != "force":
-        a, b = C.all_keys(saved), C.all_keys(cfg)
-        lines = "\n".join(f"  {k}: {a[k]!r} (checkpoint) -> {b[k]!r} (now)" for k in diff)
-        raise C.ConfigError(f"{ck} was trained with a different config:\n{lines}\n"
-                            "use another train.out_dir, or --train.resume=force to continue anyway")
-
-
 def main():
     cfg = C.load_config()
     rank, world, device = setup_dist(cfg.train.dist_timeout_s)
@@ -374,12 +338,12 @@ def main():
     log.print(f"model: {param_count(model) / 1e6:.2f}M params, world {world}, device {device.type}, "
               f"fp32 masters, {cfg.model.dtype} compute")
     o = cfg.optim
-    optimizer, scheduler = make_optimizer(model, o, o.lr, o.warmup_steps,
+    optimizer, scheduler = optim.make_optimizer(model, o, o.lr, o.warmup_steps,
                                           cfg.train.steps * cfg.grpo.ppo_epochs * cfg.grpo.mini_batches)
     step, cursor, bad = 0, 0, 0
     ck = checkpoint.latest(cfg.train.out_dir) if cfg.train.resume != "false" else None
     if ck:
-        check_resumable(ck, cfg)
+        checkpoint.check_resumable(ck, cfg)
         extra = checkpoint.load(ck, model, optimizer, scheduler)
         step, cursor = extra["step"], extra["cursor"]
         # the config's lr wins over the saved one (a no-op when unchanged: resume stays exact)
@@ -479,7 +443,7 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log):
     prompts = sft.render_prompts(tok, train_ex, cfg.data, cfg.env.protocol, cfg.data.db_root)
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]
     data = sft.build_dataset(train_ex, prompts, tok, cfg, db_paths)
-    opt, sch = make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
+    opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
     for i, idx in enumerate(sft.batches(len(data), s.batch_size, s.steps, cfg.train.seed, rank, world)):
         seqs = [data[j] for j in idx]
         n_tok = all_sum([sum(sum(m[1:]) for _, m in seqs)], device)[0]

@@ -14,6 +14,7 @@ import torch
 
 import config as C
 import distributed
+import optim
 import rollout
 import sft
 import tiny
@@ -195,10 +196,10 @@ def test_memory_estimate_of_the_7b_recipe_fits_80gb():
 
 
 def test_lr_schedule_and_micro_batch_packing():
-    f = train.lr_lambda(warmup=4, total=20, schedule="cosine", min_ratio=0.1)
+    f = optim.lr_lambda(warmup=4, total=20, schedule="cosine", min_ratio=0.1)
     assert [round(f(s), 3) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert abs(f(20) - 0.1) < 1e-9 and 0.1 < f(12) < 1.0
-    assert train.lr_lambda(0, 10)(7) == 1.0
+    assert optim.lr_lambda(0, 10)(7) == 1.0
     lengths = [5, 17, 3, 9, 9, 30, 1]
     mbs = train.pack(lengths, budget=32)
     assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths)))
