@@ -28,6 +28,10 @@ import torch.distributed as dist
 import config as C
 from model import Transformer
 
+# -----------------------------------------------------------------------------
+# process group
+
+
 def setup_dist(timeout_s: float = 7200.0):
     """-> (rank, world, device). Always leaves a process group: torchrun's (RANK set), or a
     one-rank group built in-process (a HashStore, no network), so FSDP2 and its fp32-master /
@@ -57,11 +61,6 @@ def setup_dist(timeout_s: float = 7200.0):
 def compute_dtype(cfg: C.Config) -> torch.dtype:
     """model.dtype is the compute dtype; master weights, gradients and AdamW states stay fp32."""
     return torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-
-
-def local_world_size() -> int:
-    """Processes on this machine (torchrun's LOCAL_WORLD_SIZE; 1 without torchrun)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 def param_count(model) -> int:
