@@ -33,7 +33,8 @@ def choice(default, *options, help=""):
 class ModelConfig:
     path: str = "runs/tiny/model"  # local HF folder (config.json + safetensors + tokenizer)
     build_tiny: bool = True  # if `path` does not exist, build a tiny random model there
-    dtype: str = choice("float32", "float32", "bfloat16")  # param dtype (GPU: bf16 mixed prec.)
+    # compute dtype; weights, gradients and AdamW states are always fp32 (FSDP2 mixed precision)
+    dtype: str = choice("float32", "float32", "bfloat16")
     activation_checkpointing: bool = False
     # shape of the tiny model built when build_tiny and the folder is absent
     tiny_family: str = choice("qwen2", "qwen2", "qwen3", "llama")
@@ -70,7 +71,7 @@ class EnvConfig:
     max_rows: int = 50  # rows shown when the table is too long
     fetch_rows: int = 10000  # rows fetched at most (memory bound)
     max_obs_chars: int = 9000  # longer tables are cut to max_rows rows with a note
-    workers: int = 0  # SQL worker processes; 0 = all cores
+    workers: int = 0  # SQL worker processes per rank; 0 = cores / ranks on this machine
     # observation strings (SkyRL's, GUIDE §1); env.py fills {result}, {turns_left}, {error}, {shown}, {total}
     obs_template: str = ("\n\n<observation>{result}\n<reminder>You have {turns_left} turns left to complete"
                          " the task.</reminder></observation>\n\n")
@@ -158,7 +159,10 @@ class TrainConfig:
     eval_every: int = 10  # held-out eval every K steps (also at start and end; 0 = start+end)
     save_every: int = 0  # checkpoint every K steps (0 = end only)
     keep_checkpoints: int = 2
-    resume: bool = True  # continue from out_dir's latest checkpoint if present
+    # continue from out_dir's latest checkpoint if present; "true" refuses a checkpoint whose
+    # config differs in more than RESUMABLE_KEYS, "force" continues anyway, "false" starts anew
+    resume: str = choice("true", "true", "false", "force")
+    dist_timeout_s: float = 7200.0  # collective timeout (a rank waits at a barrier this long)
     max_bad_steps: int = 3  # stop after this many non-finite steps in a row
     threads: int = 0  # torch threads per rank; 0 = leave torch's choice
 
@@ -241,6 +245,8 @@ def _coerce(key: str, value: Any, f: dataclasses.Field, from_string: bool) -> An
     elif want is str:
         if value is None:
             value = ""
+        if isinstance(value, bool) and f.metadata.get("choices"):  # YAML `resume: true`
+            value = "true" if value else "false"
         if not isinstance(value, str):
             raise ConfigError(f"config key '{key}' wants a string, got {value!r}")
     choices = f.metadata.get("choices")
@@ -311,6 +317,19 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 def from_dict(d: dict) -> Config:
     """Rebuild a Config from to_dict() output (e.g. a checkpoint's config.yaml)."""
     return apply(Config(), _flatten_yaml(d, "<dict>"))
+
+
+# keys a resumed run may change: length, cadence, output and logging, never the recipe
+RESUMABLE_KEYS = {"train.steps", "train.log_every", "train.sample_every", "train.eval_every", "train.save_every",
+                  "train.keep_checkpoints", "train.resume", "train.out_dir", "train.threads",
+                  "train.dist_timeout_s", "train.max_bad_steps", "wandb.mode", "wandb.project", "wandb.name",
+                  "model.build_tiny", "data.prepare_toy", "env.workers"}
+
+
+def changed_keys(saved: Config, current: Config) -> list[str]:
+    """Keys whose values differ between a checkpoint's config and this run's, minus RESUMABLE_KEYS."""
+    a, b = all_keys(saved), all_keys(current)
+    return [k for k in a if a[k] != b[k] and k not in RESUMABLE_KEYS]
 
 
 def dump(cfg: Config) -> str:

@@ -61,6 +61,12 @@ def build_models():
     tf.logits_chunk_elems = 4 * V * 5  # several logprob chunks, as for a real vocab
     out["transformer"] = (tf, lambda m: m.layers,
                           lambda m, ids, tgt: m(ids, targets=tgt, temperature=0.7)[0])
+    # activation checkpointing recomputes each block in backward, under FSDP2 re-gathering it:
+    # the gradients must still equal the 1-process ones
+    tf_ckpt = copy.deepcopy(tf)
+    tf_ckpt.set_activation_checkpointing(True)
+    out["transformer+ckpt"] = (tf_ckpt, lambda m: m.layers,
+                               lambda m, ids, tgt: m(ids, targets=tgt, temperature=0.7)[0])
     return out
 
 

@@ -30,5 +30,5 @@ def test_fsdp2_two_ranks_match_one_process():
     out = p.stdout + p.stderr
     found = re.findall(r"RESULT model=(\S+) agg=(\S+) .* max_grad_diff=\S+ (ok|MISMATCH)", out)
     results = {(m, a): r for m, a, r in found}
-    models = ["tiny"] + (["transformer"] if (ROOT / "model.py").exists() else [])
+    models = ["tiny"] + (["transformer", "transformer+ckpt"] if (ROOT / "model.py").exists() else [])
     assert p.returncode == 0 and results == {(m, a): "ok" for m in models for a in AGGS}, out[-4000:]
