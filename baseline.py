@@ -163,7 +163,10 @@ def main(argv=None):
         from prepare_toy import prepare_toy
         prepare_toy(cfg.data.db_root, seed=cfg.data.toy_seed)
     limit = cfg.data.max_eval_examples if args.split == "eval" else cfg.data.max_train_examples
-    examples = dataset.load_examples(path, cfg.data.db_root, limit)
+    try:
+        examples = dataset.load_examples(path, cfg.data.db_root, limit)
+    except (dataset.DatasetError, FileNotFoundError) as e:
+        sys.exit(f"error: {e} (set data.{args.split}_path / data.db_root, e.g. --data.db_root=DIR)")
     seed = cfg.train.seed + 20_000 if args.seed is None else args.seed
     s, eps, rw = run(examples, cfg, seed=seed, samples=args.samples)
     for e, r, ex in list(zip(eps, rw, [x for x in examples for _ in range(args.samples)]))[:args.show]:

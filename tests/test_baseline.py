@@ -124,3 +124,9 @@ def test_cli(toy, capsys):
     out = capsys.readouterr().out
     assert "--- random episode" in out and "random baseline on" in out and "(20 questions x 1" in out
     assert s["n"] == 20
+
+
+def test_cli_missing_data_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="dataset file not found: .*nope.jsonl .*set data.eval_path"):
+        baseline.main([f"--data.eval_path={tmp_path}/nope.jsonl", f"--data.train_path={tmp_path}/t.jsonl",
+                       "--data.prepare_toy=false"])
