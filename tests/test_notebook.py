@@ -64,6 +64,7 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     live = next(i for i in code if "train_live(CONFIG" in nb.cells[i].source)
     pngs = [o for o in nb.cells[live].outputs if "image/png" in o.get("data", {})]
     assert pngs, "the live plot was never drawn"
+    assert "world 2" in out[live]  # the default NPROC=2: torchrun, two CPU ranks
     assert "step 2/2" in out[live] and "--- sample" in out[live] and "[random baseline] EX" in out[live]
     assert out[live].startswith("memory estimate") and "protocol:" not in out[live]  # config dump skipped
     assert any("held-out EX: random baseline" in t and "end (step 2)" in t for t in out.values())
