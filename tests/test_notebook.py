@@ -52,7 +52,8 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     }
     monkeypatch.setenv("GRPO_SQL_NOTEBOOK", json.dumps(small))
     nb = read()
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    run_in = {"metadata": {"path": str(NOTEBOOK.parent)}}  # the folder a user opens it from
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources=run_in).execute()
 
     def text(i):
         return "".join(o.get("text", "") for o in nb.cells[i].outputs if o.output_type == "stream")
