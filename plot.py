@@ -112,7 +112,8 @@ def panel_success(ax, s, C):
     d |= _line(ax, s, "eval/ex", "held-out EX (eval)", C[1], smooth=False, marker="o")
     floor = s.get("eval/random_ex")
     if floor:
-        ax.axhline(floor[max(floor)], color="gray", ls=":", lw=1.5, label="random baseline (held-out)")
+        v = floor[max(floor)]
+        ax.axhline(v, color="gray", ls=":", lw=1.5, label=f"random baseline, held-out ({100 * v:.1f}%)")
         d = True
     ax.set_ylim(-0.02, 1.02)
     _finish(ax, "execution accuracy: train vs held-out", d)
