@@ -6,6 +6,7 @@ stays as the config says, so a recipe that rots fails here. ~1 min on 2 cores, o
 
     .venv/bin/pytest tests/test_configs.py -q
 """
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -78,7 +79,8 @@ def test_config_runs_one_tiny_step(path, assets, tmp_path, monkeypatch, capsys):
     recipe = C.load_config([str(path)])
     out = tmp_path / "run"
     sft = [f"--sft.steps={min(recipe.sft.steps, 1)}", "--sft.batch_size=2"]
-    argv = [str(path), *assets, *SMALL, *sft, f"--train.out_dir={out}"]
+    live = ["--train.plot_every=1"] if path.stem == "tiny" else []  # train.py's live plot hook, once
+    argv = [str(path), *assets, *SMALL, *sft, *live, f"--train.out_dir={out}"]
     monkeypatch.setattr(sys, "argv", ["train.py", *argv])
     train.main()
     log = capsys.readouterr().out
@@ -89,6 +91,8 @@ def test_config_runs_one_tiny_step(path, assets, tmp_path, monkeypatch, capsys):
     assert "[random baseline] EX" in log and "--- sample" in log and "tool calls" in log
     if recipe.sft.steps:
         assert "sft/loss" in keys
+    if live and importlib.util.find_spec("matplotlib"):
+        assert (out / "metrics.png").stat().st_size > 10_000
     # the run used the recipe's settings (only the sizes and paths above were changed)
     saved = yaml.safe_load((out / "ckpt_000001" / "config.yaml").read_text())
     for group in ("env", "reward", "grpo"):
