@@ -156,6 +156,7 @@ class TrainConfig:
     out_dir: str = "runs/default"
     log_every: int = 1
     sample_every: int = 10  # print a few trajectories every K steps (0 = never)
+    plot_every: int = 0  # redraw out_dir/metrics.png every K steps (plot.py; 0 = off; needs matplotlib)
     eval_every: int = 10  # held-out eval every K steps (also at start and end; 0 = start+end)
     save_every: int = 0  # checkpoint every K steps (0 = end only)
     keep_checkpoints: int = 2

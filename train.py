@@ -20,11 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import baseline
 import checkpoint
 import config as C
 import dataset
 import grpo
 import optim
+import plot
 import reward
 import rollout
 import sft
@@ -300,7 +302,8 @@ def evaluate(model, tok, eval_ex, cfg, rank, world, device, log: Log, step: int,
 
 def show_samples(log: Log, trajs, rw, exs, k=2):
     for t, r, ex in list(zip(trajs, rw, exs))[:k]:
-        log.print(f"--- sample (reward {r['reward']:+.1f}, exec {r['exec_match']}, stop {t.stop_reason}) "
+        log.print(f"--- sample (reward {r['reward']:+.2f}, exec {r['exec_match']}, stop {t.stop_reason}, "
+                  f"turns {t.num_turns}, tool calls {t.num_tool_calls}) "
                   f"Q: {ex['question']}\n{t.text}\n--- gold: {ex['gold_sql']}")
 
 
@@ -356,8 +359,10 @@ def main():
             run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log)
         checkpoint.save(cfg.train.out_dir, 0, model, optimizer, scheduler, tok, cfg, {"cursor": 0},
                         keep=cfg.train.keep_checkpoints)
-    if step == 0:  # held-out EX before any GRPO step (after the warm start)
-        evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step)
+    if step == 0:  # held-out EX before any GRPO step (after the warm start), beside the random floor
+        warm = evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step)
+        if rank == 0:
+            baseline.report(eval_ex, cfg, log, warm)
 
     ref_model = None
     if cfg.grpo.kl_beta > 0:  # the frozen reference is the policy at GRPO start (after SFT): ckpt 0
@@ -431,6 +436,10 @@ def main():
                 evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step)
             checkpoint.save(cfg.train.out_dir, step, model, optimizer, scheduler, tok, cfg,
                             {"cursor": stream.cursor}, keep=cfg.train.keep_checkpoints)
+        if rank == 0 and cfg.train.plot_every and (step % cfg.train.plot_every == 0
+                                                  or step == cfg.train.steps):
+            plot.refresh(cfg.train.out_dir)
+    log.metrics(step, {plot.DONE: 1.0})  # the run's final line: plot.py --follow stops on it
     log.print(f"done: {cfg.train.steps} steps in {(time.time() - t_start) / 60:.1f} min; run in {cfg.train.out_dir}")
     if dist.is_initialized():
         dist.destroy_process_group()
