@@ -71,8 +71,8 @@ def seq_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 def _log_ratio(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> Tensor:
     """log r_t = log π_old - log π_rollout, 0 outside the mask, clamped to ±20."""
-    d = torch.where(mask.bool(), old_logp.float() - rollout_logp.float(), torch.zeros_like(old_logp, dtype=torch.float32))
-    return d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    d = old_logp.float() - rollout_logp.float()
+    return torch.where(mask.bool(), d, torch.zeros_like(d)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 @torch.no_grad()

@@ -70,6 +70,12 @@ def test_gspo_hand_values_and_gradients():
     ref = gspo_reference(ref_logp, old, adv, mask, 0.2, 0.2)
     ref.backward()
     assert approx(ref, loss) and approx(ref_logp.grad, logp.grad)
+    # token-mean instead: each token carries its sequence's loss, so sequences weigh by length;
+    # d/dlogp_t = |y_i| · (d ℓ_i / d logp_t) / 8 = -A s / 8 for the unclipped rows
+    tm, _ = policy_loss(logp, old, adv, mask, loss="gspo", **CLIP, agg="token-mean", norm=8)
+    assert approx(tm, (2 * -1 + 3 * -1.2 + 0.8 + 2 * s) / 8)
+    (g_tm,) = torch.autograd.grad(tm, logp)
+    assert approx(g_tm, torch.tensor([[-1, -1, 0], [0, 0, 0], [0, 0, 0], [s, s, 0]]) / 8)
 
 
 @pytest.mark.parametrize("loss_name", ["gspo", "gspo-token"])
