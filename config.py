@@ -113,12 +113,22 @@ class GRPOConfig:
     prompts_per_step: int = 256  # global, over all ranks
     advantage: str = choice("group", "group", "batch", "none")
     adv_eps: float = 1e-6
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # 0.28 = DAPO clip-higher
+    loss: str = choice("grpo", "grpo", "gspo", "gspo-token", "cispo",
+                       help="grpo = PPO-clip per token; gspo(-token) = sequence ratio; cispo = clipped IS weight")
+    clip_low: float = -1.0  # < 0: the loss's default (grpo 0.2, gspo 3e-4, cispo 1.0 = no lower bound)
+    clip_high: float = -1.0  # < 0: the loss's default (grpo 0.2, gspo 4e-4, cispo 0.28); 0.28 = DAPO clip-higher
     dual_clip_c: float = 0.0  # 0 = off; 3.0 = dual-clip
     kl_beta: float = 0.0  # > 0 loads a frozen reference model (k3 KL)
     loss_agg: str = choice("token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo")
     drgrpo_max_len: int = 0  # L in Dr. GRPO's sum/(B*L); 0 = max_context
+    # sampler vs trainer logprob correction (rollout_correction.py): weight min(r, cap) or drop
+    # outside [low, high] with r = π_old/π_rollout per token or per sequence; geo-mask drops a
+    # sequence whose geometric-mean r leaves [1 - delta, 1 + delta]
+    rollout_is: str = choice("none", "none", "token-tis", "seq-tis", "token-mis", "seq-mis", "geo-mask")
+    rollout_is_cap: float = 2.0
+    rollout_is_low: float = 0.5
+    rollout_is_high: float = 5.0
+    rollout_is_delta: float = 0.01
     dynamic_sampling: bool = False  # drop all-equal groups and refill
     max_resample_rounds: int = 3
     ppo_epochs: int = 1

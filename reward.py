@@ -200,28 +200,45 @@ def gold_rows(db_path, gold_sql: str, mode: str = "set", keep_distinct: bool = F
 # -----------------------------------------------------------------------------
 # episode rewards
 
-_TAGS_IN_SOLUTION = ("<think>", "</think>", "<sql>", "</sql>", "<observation>", "</observation>",
-                     "<reminder>", "</reminder>")
+# A tag SkyRL rejects inside the solution: <think>, <sql>, <observation>, opening or closing, in any
+# case and any variant form (`<SQL>`, `</sql >`, `<observation id=1>`, `<think/>`). `\b` keeps
+# `<sqlite>` or `<sql_x>` legal, and <reminder> is deliberately not on the list (as in SkyRL).
+_TAG_IN_SOLUTION = re.compile(r"</?(think|sql|observation)\b", re.I)
+_OBS_END = re.compile(r"</observation>", re.I)
 
 
-def format_ok(response_text: str, finished: bool) -> tuple[bool, str]:
-    """SkyRL's format rules (GUIDE §1): a solution was written before max_turns, exactly one
-    solution block, at least one think block, no tags inside the solution."""
+def format_ok(response_text: str, finished: bool, template_pieces: tuple[str, ...] = ()) -> tuple[bool, str]:
+    """SkyRL-SQL's format rules on the text of the whole episode (every turn and observation
+    after the prompt). Valid when all hold:
+      - a solution was written before max_turns (`finished`);
+      - exactly one `<solution>`, and exactly one `</solution>` after it (a stray `</solution>`
+        earlier in the episode does not count);
+      - no <think>/<sql>/<observation> tag of any case or form inside the solution;
+      - at least one `<think>` … `</think>` block somewhere;
+      - every `</observation>` (any case) before the solution is followed, after whitespace, by
+        `<think>` (any case): the model must think about each tool result before acting.
+    template_pieces: chat-template text the conversation format inserts between messages (e.g.
+    "<|im_end|>\\n<|im_start|>user\\n"); removed first, so the rules see the messages' contents
+    joined, as SkyRL's env does. The single-message format needs none."""
     t = response_text
+    for piece in sorted(template_pieces, key=len, reverse=True):  # longest first: pieces overlap
+        if piece:
+            t = t.replace(piece, "")
     if not finished:
         return False, "no solution before max_turns"
-    if t.count("<solution>") != 1 or t.count("</solution>") != 1:
-        return False, "need exactly one <solution>…</solution>"
-    start = t.index("<solution>")
-    end = t.index("</solution>")
-    if end < start:
-        return False, "</solution> before <solution>"
-    sol = t[start + len("<solution>"):end]
-    if any(tag in sol for tag in _TAGS_IN_SOLUTION):
+    if t.count("<solution>") != 1:
+        return False, "need exactly one <solution>"
+    before, tail = t.split("<solution>", 1)
+    if tail.count("</solution>") != 1:
+        return False, "need exactly one </solution> after <solution>"
+    if _TAG_IN_SOLUTION.search(tail.split("</solution>", 1)[0]):
         return False, "tags inside the solution"
     i = t.find("<think>")
-    if i < 0 or t.find("</think>", i) < 0:
+    if i < 0 or t.find("</think>", i + len("<think>")) < 0:
         return False, "no <think>…</think> block"
+    for m in _OBS_END.finditer(before):
+        if not before[m.end():].lstrip().lower().startswith("<think>"):
+            return False, "no <think> right after an observation"
     return True, ""
 
 
@@ -265,10 +282,12 @@ def episode(traj, example: dict, db_root, final_sql: str | None = None) -> dict:
             "finished": traj.finished, "steps": traj.steps}
 
 
-def episode_rewards(episodes: list[dict], cfg: RewardConfig, protocol: str = "tags") -> list[dict]:
+def episode_rewards(episodes: list[dict], cfg: RewardConfig, protocol: str = "tags",
+                    template_pieces: tuple[str, ...] = ()) -> list[dict]:
     """episode: {db_path, gold_sql, response, final_sql, finished, steps} ->
-    {reward, exec_match, format_ok, error}. All predictions run in one pool call."""
-    fmts = [format_ok(e["response"], e["finished"]) if protocol == "tags"
+    {reward, exec_match, format_ok, error}. All predictions run in one pool call.
+    template_pieces: see format_ok (the conversation format's chat-template text)."""
+    fmts = [format_ok(e["response"], e["finished"], template_pieces) if protocol == "tags"
             else (bool(e["finished"]), "" if e["finished"] else "no ANSWER before the step budget")
             for e in episodes]
     # every gold runs (cached; dense shaping needs it even without an answer), a prediction only
