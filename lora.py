@@ -220,20 +220,25 @@ def unmerge(model):
 def merged(model):
     """Adapters folded into the weights for the duration (e.g. a rollout), then undone.
 
-    Under FSDP2 use it inside distributed.unsharded(model): the merge then writes into the
-    gathered copies, which reshard() drops, so the sharded base never changes (exact, whatever
-    its dtype). Without FSDP2 the exit subtracts the delta again (see unmerge: a bf16 base
-    would drift, so keep an unsharded LoRA base in fp32 or use the adapter forward).
+    Under FSDP2 it gathers every sharded module's full weights (as distributed.unsharded does)
+    and merges into those gathered copies; the exit reshards, which drops them, so the sharded
+    base never changes (exact, whatever its dtype) and the next forward gathers it afresh.
+    Without FSDP2 the exit subtracts the delta again (see unmerge: a bf16 base would drift,
+    so keep an unsharded LoRA base in fp32 or sample with the adapter forward).
     """
-    fsdp = hasattr(model, "unshard")
-    if fsdp and any(type(layer.weight).__name__ == "DTensor" for layer in lora_layers(model).values()):
-        raise RuntimeError("lora.merged on an FSDP2 model needs the full weights: "
-                           "use it inside distributed.unsharded(model)")
+    from torch.distributed.fsdp import FSDPModule
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in sharded:  # reshard_after_forward off: a forward must not swap the merged copies out
+        m.unshard()
+        m.set_reshard_after_forward(False, recurse=False)
     merge(model)
     try:
         yield model
     finally:
-        if fsdp:  # the merged tensors are the gathered copies: reshard() discards them
+        if sharded:
+            for m in sharded:
+                m.reshard()
+                m.set_reshard_after_forward(True, recurse=False)
             for layer in lora_layers(model).values():
                 layer.merged = False
         else:

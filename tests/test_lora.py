@@ -4,7 +4,7 @@ Tiny random models of each family (qwen2 with q/k/v biases, qwen3 with q/k norms
 built by transformers; our LoRA-applied Transformer with random adapters is saved in PEFT's
 format and loaded by `peft.PeftModel` (and a PEFT-made adapter by us): logits must agree.
 Also: merged == adapter forward, only adapters train, dropout, save/load, errors, memory, and
-2-rank FSDP2 sharding (tests/lora_dist_check.py). The PEFT tests skip when peft is absent.
+FSDP2 sharding on 1 and 2 ranks (tests/lora_dist_check.py). The PEFT tests skip when peft is absent.
 
     .venv/bin/pytest tests/test_lora.py -q      (~30 s)
 """
@@ -288,9 +288,10 @@ def test_memory_estimate_of_the_7b_lora_recipe():
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
-def test_fsdp2_two_ranks_shard_lora():
+@pytest.mark.parametrize("world", [1, 2])  # 1: FSDP2 on one process (its gathered copies too)
+def test_fsdp2_shards_lora(world):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(ROOT / "tests" / "lora_dist_check.py")]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     out = p.stdout + p.stderr
