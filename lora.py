@@ -40,9 +40,6 @@ TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 HF_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
              "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
              "down": "mlp.down_proj"}
-# our module (inside a Block) -> its parts in output-row order
-FUSED = {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",),
-         "mlp.gate_up_proj": ("gate", "up"), "mlp.down_proj": ("down",)}
 PEFT_PREFIX = "base_model.model.model."  # PeftModel(CausalLM).model.layers... as PEFT saves it
 
 
@@ -108,11 +105,18 @@ class LoraLinear(nn.Linear):
         layer.lora_B = nn.ParameterDict({
             name: nn.Parameter(torch.zeros(rows, spec.rank, device=dev, dtype=torch.float32))
             for name, rows in parts if name in spec.targets})
-        for a in layer.lora_A.values():  # PEFT's init: A like nn.Linear's default, B = 0 -> delta 0
-            if dev.type != "meta":
-                nn.init.kaiming_uniform_(a, a=math.sqrt(5))
         layer.merged = False
+        if dev.type != "meta":
+            layer.reset_adapters()
         return layer
+
+    @torch.no_grad()
+    def reset_adapters(self):
+        """PEFT's init: A as nn.Linear's default (kaiming uniform), B = 0, so the delta is 0."""
+        for a in self.lora_A.values():
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        for b in self.lora_B.values():
+            b.zero_()
 
     def forward(self, x):  # x (..., in) -> (..., out)
         y = F.linear(x, self.weight, self.bias)
@@ -164,7 +168,8 @@ def _part_rows(model) -> dict[str, list[tuple[str, int]]]:
 def apply(model, model_cfg) -> LoraSpec:
     """Freeze every parameter of `model`, then swap in LoraLinear where lora_targets asks.
 
-    Works on the meta device too (adapters are then meta; initialise after to_empty).
+    On the meta device the adapters are meta too: after to_empty, call reset_adapters on each
+    of lora_layers(model) (or load an adapter).
     model_cfg: config.ModelConfig (or anything with the lora_* attributes). Returns the spec.
     """
     spec = LoraSpec.from_config(model_cfg)

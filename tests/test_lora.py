@@ -138,6 +138,14 @@ def test_initial_model_is_the_base_and_only_adapters_train(folders):
     # 7 targets x 2 layers x (A and B); parts of the fused modules each have their own pair
     assert len(trainable) == 2 * 7 * 2 and spec.scaling == 2.0
     assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+    with torch.no_grad():  # reset_adapters (e.g. after building on meta + to_empty): base again
+        for p in model.parameters():
+            if p.requires_grad:
+                p.fill_(0.5)
+        assert maxdiff(model(x), base(x)) > 1e-2
+        for layer in lora.lora_layers(model).values():
+            layer.reset_adapters()
+        assert torch.equal(model(x), base(x))
 
 
 def test_gradient_reaches_only_the_adapters(folders):
@@ -287,13 +295,14 @@ def test_bad_adapters_and_configs_fail_clearly(folders, tmp_path):
 # -----------------------------------------------------------------------------
 # memory, sharding
 
+QWEN_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+           "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+           "tie_word_embeddings": False}  # Qwen2.5-Coder-7B-Instruct's shape
+
 
 def test_memory_estimate_of_the_7b_lora_recipe():
-    hf = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
-          "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-          "tie_word_embeddings": False}  # Qwen2.5-Coder-7B-Instruct's shape
     with torch.device("meta"):
-        model = Transformer(ModelArgs.from_hf(hf))
+        model = Transformer(ModelArgs.from_hf(QWEN_7B))
     cfg = C.load_config([str(ROOT / "configs" / "skyrl_sql_7b_lora.yaml")])
     lora.apply(model, cfg.model)
     est = lora.memory_estimate(model, world=8)
@@ -305,6 +314,14 @@ def test_memory_estimate_of_the_7b_lora_recipe():
     assert est["frozen_params"] == n_base
     assert abs(est["params"] - (2 * n_base + 4 * 28 * per_layer) / 8 / gb) < 1e-9
     assert abs(est["adam"] - 8 * 28 * per_layer / 8 / gb) < 1e-9
+
+
+def test_memory_command_prints_lora_next_to_full(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_7B))  # only config.json is read
+    lora.main([str(ROOT / "configs" / "skyrl_sql_7b_lora.yaml"), f"--model.path={tmp_path}", "--world=2"])
+    out = capsys.readouterr().out
+    full, lo = map(float, re.search(r"world 2: full fine-tune ([\d.]+) GB/device, LoRA ([\d.]+)", out).groups())
+    assert "rank 32, alpha 64" in out and 45 < lo < full - 45  # README: 53.7 vs 102.8 GB
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
