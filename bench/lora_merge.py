@@ -5,7 +5,8 @@ projections, SkyRL's recipe) samples B rows of `--new` tokens after a `--prompt`
 with rollout.generate (EOS ignored). "adapter": every projection adds its dropout(x) A^T B^T
 per part (2 extra small matmuls per part); "merged": lora.merged folds scale B A into the
 weights for the rollout (its cost, merge + unmerge, is inside the timing). Each pair runs both
-back to back in one process; printed: the median over pairs of (adapter time / merged time).
+back to back in one process; printed: the median over pairs of (adapter time / merged time),
+last as `lora_merged_speedup_b<largest B>: x`.
 
     .venv/bin/python bench/lora_merge.py [--pairs 5] [--batches 16,64] [--rank 32]
     python bench/lora_merge.py --device cuda --shape qwen2.5-0.5b --batches 64,256    # GPU, bf16
@@ -59,6 +60,7 @@ def main():
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     print(f"shape {args.shape}, {dtype}, LoRA rank {args.rank} on {args.targets}, device {dev}, "
           f"threads {args.threads}, load {os.getloadavg()[0]:.2f}", flush=True)
+    headline = {}
     for B in [int(b) for b in args.batches.split(",")]:
         g = torch.Generator().manual_seed(B)
         prompts = torch.randint(0, model.config.vocab_size, (B, args.prompt), generator=g).tolist()
@@ -89,6 +91,9 @@ def main():
         print(f"B={B}: adapter {tok / statistics.median(ta):.0f} tok/s, merged {tok / statistics.median(tm):.0f} tok/s, "
               f"adapter/merged time {statistics.median(ratios):.2f}x (pairs: {', '.join(f'{r:.2f}' for r in ratios)}; "
               f"rows identical {statistics.mean(agree):.0%}), load {os.getloadavg()[0]:.2f}", flush=True)
+        headline[B] = statistics.median(ratios)
+    B = max(headline)
+    print(f"lora_merged_speedup_b{B}: {headline[B]:.2f}")  # adapter time / merged time
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ Prints one `RESULT <case> ... ok|MISMATCH` line per case on rank 0, exits non-ze
                 requires one dtype only among the trainable parameters of a group), bf16
                 compute / fp32 reduce; grads fp32 on adapters only, close to the fp32
                 reference; an AdamW step changes adapters only.
-- merged_unsharded: lora.merged on the sharded model gives the adapter forward's logits, and
-                its exit leaves the sharded base bit-identical (the merge hit gathered copies).
+- merged_unsharded, merged_bf16: lora.merged on the sharded model (fp32; bf16 base and compute)
+                gives the adapter forward's logits, and its exit leaves the sharded base
+                bit-identical (the merge wrote into the gathered copies).
 """
 import copy
 import os
@@ -105,18 +106,24 @@ def main():
                        for n, p in model.named_parameters() if p.requires_grad))
     results["bf16_base"] = (dtypes_ok and rel < 0.05 and stepped, f"max_rel_grad_err={rel:.2e}")
 
-    # merged on the sharded model: same logits, sharded base untouched
-    model = shard(copy.deepcopy(base))
-    local_before = {n: p.to_local().clone() for n, p in model.named_parameters()}
-    with torch.no_grad():
-        want = model(ids[:, :-1])
-        with lora.merged(model):
-            got = model(ids[:, :-1])
-            merged_diff = (got - want).abs().max().item()
-        after = model(ids[:, :-1])
-    untouched = all(torch.equal(p.to_local(), local_before[n]) for n, p in model.named_parameters())
-    results["merged_unsharded"] = (merged_diff <= 1e-5 and untouched and torch.equal(after, want),
-                                   f"merged_vs_adapter={merged_diff:.2e}")
+    # merged on the sharded model: same logits, sharded base untouched (fp32; bf16 base + compute)
+    for case, bf16, tol in (("merged_unsharded", False, 1e-5), ("merged_bf16", True, 0.1)):
+        model = copy.deepcopy(base)
+        if bf16:
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
+        shard(model, MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else None)
+        local_before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            want = model(ids[:, :-1]).float()
+            with lora.merged(model):
+                got = model(ids[:, :-1]).float()
+                merged_diff = (got - want).abs().max().item()
+            after = model(ids[:, :-1]).float()
+        untouched = all(torch.equal(p.to_local(), local_before[n]) for n, p in model.named_parameters())
+        results[case] = (merged_diff <= tol and untouched and torch.equal(after, want),
+                         f"merged_vs_adapter={merged_diff:.2e}")
 
     ok = True
     for case, (good, info) in results.items():
