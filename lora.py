@@ -223,31 +223,34 @@ def unmerge(model):
 
 @contextlib.contextmanager
 def merged(model):
-    """Adapters folded into the weights for the duration (e.g. a rollout), then undone.
+    """Adapters folded into the weights for the duration (e.g. a rollout); exact restore on exit.
 
     Under FSDP2 it gathers every sharded module's full weights (as distributed.unsharded does)
     and merges into those gathered copies; the exit reshards, which drops them, so the sharded
-    base never changes (exact, whatever its dtype) and the next forward gathers it afresh.
-    Without FSDP2 the exit subtracts the delta again (see unmerge: a bf16 base would drift,
-    so keep an unsharded LoRA base in fp32 or sample with the adapter forward).
+    base never changes and the next forward gathers it afresh (no extra memory). Without FSDP2
+    it keeps a copy of the adapted weights and copies them back: unmerge's subtraction would
+    move the frozen base by a rounding each rollout (bf16: ~4e-3 relative), and resume would
+    no longer be exact.
     """
     from torch.distributed.fsdp import FSDPModule
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in sharded:  # reshard_after_forward off: a forward must not swap the merged copies out
         m.unshard()
         m.set_reshard_after_forward(False, recurse=False)
+    layers = lora_layers(model).values()
+    originals = [] if sharded else [layer.weight.detach().clone() for layer in layers]
     merge(model)
     try:
         yield model
     finally:
-        if sharded:
-            for m in sharded:
-                m.reshard()
-                m.set_reshard_after_forward(True, recurse=False)
-            for layer in lora_layers(model).values():
-                layer.merged = False
-        else:
-            unmerge(model)
+        for m in sharded:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
+        with torch.no_grad():
+            for layer, w in zip(layers, originals):
+                layer.weight.copy_(w)
+        for layer in layers:
+            layer.merged = False
 
 
 @torch.no_grad()
