@@ -330,7 +330,7 @@ def read_adapter(model, folder) -> dict[str, torch.Tensor]:
     want = {"peft_type": "LORA", "r": spec.rank, "lora_alpha": spec.alpha,
             "target_modules": sorted(HF_MODULE[t].split(".")[1] for t in spec.targets),
             "use_rslora": False, "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}}
-    have = {**cfg, "target_modules": targets, "use_rslora": cfg.get("use_rslora", False),
+    have = {**cfg, "target_modules": targets, "r": cfg.get("r", 8), "lora_alpha": cfg.get("lora_alpha", 8), "use_rslora": cfg.get("use_rslora", False),
             "use_dora": cfg.get("use_dora", False), "rank_pattern": cfg.get("rank_pattern") or {},
             "alpha_pattern": cfg.get("alpha_pattern") or {}}
     diff = [f"{k}: folder {have.get(k)!r} vs model {v!r}" for k, v in want.items()
