@@ -36,6 +36,11 @@ class ModelConfig:
     # compute dtype; weights, gradients and AdamW states are always fp32 (FSDP2 mixed precision)
     dtype: str = choice("float32", "float32", "bfloat16")
     activation_checkpointing: bool = False
+    # LoRA (lora.py): 0 = full fine-tune; > 0 freezes the base and trains rank-r adapters
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # on the adapters' input, training only
+    lora_targets: str = "q,k,v,o,gate,up,down"  # comma-separated subset of these seven
     # shape of the tiny model built when build_tiny and the folder is absent
     tiny_family: str = choice("qwen2", "qwen2", "qwen3", "llama")
     tiny_vocab_size: int = 1024
