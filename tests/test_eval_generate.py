@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT
+from conftest import ROOT, torchrun_env
 
 import dataset
 import eval as ev
@@ -182,7 +182,7 @@ def test_files_order_and_placeholders(setup, greedy_run):
 def test_torchrun_two_processes_match_one(setup, greedy_run):
     d, _, base = setup
     out = str(d / "greedy2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "eval.py")] + base + ["--out", out]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)

@@ -149,9 +149,9 @@ def reference_update(model, ref_model, trajs, adv, cfg):
             lp, ent = train.token_logprobs(model, ids, T)
             old_lp = packing.pad([old[i].tolist() for i in idx], 0.0, "cpu", torch.float32) if need_old else lp.detach()
             ref_lp = packing.pad([ref[i].tolist() for i in idx], 0.0, "cpu", torch.float32) if ref else None
-            loss, _ = grpo.policy_loss(lp, old_lp, adv[idx], mask, clip_low=g.clip_low, clip_high=g.clip_high,
-                                       ref_logp=ref_lp, kl_beta=g.kl_beta, agg=g.loss_agg, norm=norm,
-                                       entropy=ent, max_len=64)
+            rollout_lp = packing.pad([trajs[i].logprobs[1:] for i in idx], 0.0, "cpu", torch.float32)
+            loss, _ = grpo.policy_loss(lp, old_lp, adv[idx], mask, ref_logp=ref_lp, rollout_logp=rollout_lp,
+                                       norm=norm, entropy=ent, **grpo.loss_kwargs(g, cfg.sampling.max_context))
             loss.backward()
             grads.append([p.grad.clone() for p in model.parameters()])
             # the same (plain SGD) step update() takes, so later mini-batches see the same weights
@@ -169,16 +169,20 @@ class SGDCapture(Capture):
                 p -= 0.05 * p.grad
 
 
-CASES = [(agg, 1, 1, 0.0, False) for agg in grpo.AGGS] + [
-    ("token-mean", 2, 1, 0.0, False), ("token-mean", 1, 2, 0.0, True), ("seq-mean-token-mean", 2, 2, 0.1, False),
-    ("drgrpo", 2, 3, 0.1, True)]
+# (aggregation, ppo_epochs, mini_batches, kl_beta, activation checkpointing, loss, rollout IS)
+CASES = [(agg, 1, 1, 0.0, False, "grpo", "none") for agg in grpo.AGGS] + [
+    ("token-mean", 2, 1, 0.0, False, "grpo", "none"), ("token-mean", 1, 2, 0.0, True, "grpo", "none"),
+    ("seq-mean-token-mean", 2, 2, 0.1, False, "grpo", "none"), ("drgrpo", 2, 3, 0.1, True, "grpo", "none"),
+    ("seq-mean-token-mean", 2, 1, 0.0, False, "gspo", "none"), ("token-mean", 1, 2, 0.0, False, "gspo-token", "seq-tis"),
+    ("token-mean", 2, 2, 0.0, False, "cispo", "token-tis"), ("token-mean", 1, 1, 0.0, False, "grpo", "geo-mask")]
 
 
-@pytest.mark.parametrize("agg,epochs,minis,kl,ckpt", CASES)
-def test_update_gradients_equal_padded_reference(agg, epochs, minis, kl, ckpt):
+@pytest.mark.parametrize("agg,epochs,minis,kl,ckpt,loss,rollout_is", CASES)
+def test_update_gradients_equal_padded_reference(agg, epochs, minis, kl, ckpt, loss, rollout_is):
     trajs = make_trajs(seed=1)
     adv = torch.randn(len(trajs), generator=torch.Generator().manual_seed(0))
-    cfg = C.load_config([f"--grpo.loss_agg={agg}", f"--grpo.ppo_epochs={epochs}", f"--grpo.mini_batches={minis}",
+    cfg = C.load_config([f"--grpo.loss={loss}", f"--grpo.rollout_is={rollout_is}", "--grpo.rollout_is_delta=0.5",
+                         f"--grpo.loss_agg={agg}", f"--grpo.ppo_epochs={epochs}", f"--grpo.mini_batches={minis}",
                          f"--grpo.kl_beta={kl}", "--grpo.drgrpo_max_len=64", "--optim.grad_clip=1e9",
                          "--optim.micro_batch_tokens=60", f"--optim.pack_row_tokens={30 if ckpt else 0}",
                          "--sampling.temperature=0.9"])
