@@ -229,11 +229,14 @@ _FLEX = None
 
 
 def _flex_attention():
-    """flex_attention compiled once (eager flex is a slow reference loop; compile gives the fused kernel)."""
+    """flex_attention compiled (eager flex is a slow reference loop; compile gives the fused kernel).
+    Default dynamic: the first width compiles static, a second width recompiles once with a symbolic
+    length; dynamic=False would compile every micro-batch width anew and, past dynamo's recompile
+    limit, fall back to the eager loop."""
     global _FLEX
     if _FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
-        _FLEX = torch.compile(flex_attention, dynamic=False)
+        _FLEX = torch.compile(flex_attention)
     return _FLEX
 
 

@@ -33,9 +33,9 @@ from distributed import all_max
 # padded tensors (the one place lists of rows become a rectangle)
 
 
-def pad(rows: list[list], value, device, dtype=torch.long) -> torch.Tensor:
-    """Rows of different lengths -> (len(rows), longest) tensor, right-padded with `value`."""
-    T = max((len(r) for r in rows), default=0)
+def pad(rows: list[list], value, device, dtype=torch.long, width: int = 0) -> torch.Tensor:
+    """Rows of different lengths -> (len(rows), max(longest, width)) tensor, right-padded with `value`."""
+    T = max(max((len(r) for r in rows), default=0), width)
     out = torch.full((len(rows), T), value, dtype=dtype, device=device)
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.as_tensor(r, dtype=dtype, device=device)
@@ -158,6 +158,8 @@ def _append(row: Row, seqs, P: int, members: list[int]):
 # -----------------------------------------------------------------------------
 # tensors and the forward
 
+FLEX_BLOCK = 128  # FlexAttention's default block size (tokens)
+
 
 def attention_mask(doc: torch.Tensor, seg: torch.Tensor):
     """doc, seg (B, T). Query q may see key k iff same unit, k <= q, and k is in the prompt or in
@@ -180,12 +182,18 @@ def attention_mask(doc: torch.Tensor, seg: torch.Tensor):
 def forward(model, mb: MicroBatch, device, temperature: float):
     """Logprobs and entropies of the micro-batch's loss tokens, each (N,), in member order."""
     rows = mb.rows
-    ids = pad([r.ids for r in rows], 0, device)  # (B, T)
-    pos = pad([r.positions for r in rows], 0, device)
-    B, T = ids.shape
     plain = all(r.plain for r in rows)  # one sequence per row: causal, right padding is harmless
+    width = max(len(r.ids) for r in rows)
+    if device.type == "cuda" and not plain:
+        # FlexAttention is compiled per shape: widths rounded up to its 128-token block keep the
+        # number of distinct shapes (and compiles) small
+        width = -(-width // FLEX_BLOCK) * FLEX_BLOCK
+    ids = pad([r.ids for r in rows], 0, device, width=width)  # (B, T)
+    pos = pad([r.positions for r in rows], 0, device, width=width)
+    B, T = ids.shape
     # padding tokens form their own unit (doc -1): they see only each other, so no row is empty
-    mask = None if plain else attention_mask(pad([r.doc for r in rows], -1, device), pad([r.seg for r in rows], 0, device))
+    mask = None if plain else attention_mask(pad([r.doc for r in rows], -1, device, width=width),
+                                             pad([r.seg for r in rows], 0, device, width=width))
     src = torch.tensor([b * T + s for b, r in enumerate(rows) for s in r.src], dtype=torch.long, device=device)
     tgt = torch.tensor([t for r in rows for t in r.tgt], dtype=torch.long, device=device)
     return model(ids, positions=pos, targets=tgt, temperature=temperature, attn_mask=mask, loss_index=src)

@@ -191,8 +191,11 @@ def main_ab(a):
     """Interleaved A/B: padded (old) then packed (new), --pairs times, median of per-pair ratios."""
     cuda = a.device == "cuda"
     device = torch.device(a.device)
+    if a.row_tokens < 0:
+        a.row_tokens = 0 if cuda else 512
     dtype = torch.bfloat16 if cuda else torch.float32
-    cfg = C.load_config([os.path.join(ROOT, "configs", "tiny.yaml")] + [f"--optim.micro_batch_tokens={a.mbt}"] * bool(a.mbt))
+    cfg = C.load_config([os.path.join(ROOT, "configs", "tiny.yaml")] + [f"--optim.micro_batch_tokens={a.mbt}"] * bool(a.mbt)
+                        + [f"--optim.pack_row_tokens={a.row_tokens}"])
     m = cfg.model
     shape = SHAPES[a.shape] if a.shape else dict(
         vocab_size=m.tiny_vocab_size, hidden_size=m.tiny_hidden_size, layers=m.tiny_layers, heads=m.tiny_heads,
@@ -209,13 +212,15 @@ def main_ab(a):
     for name in a.batches.split(","):
         trajs = group_batch(name, a.groups or (16 if name == "tiny" else 8), shape["vocab_size"])
         adv = torch.tensor([random.Random(i).choice([-1.0, 1.0]) for i in range(len(trajs))])
-        rows = packing.plan([(t.ids, t.loss_mask) for t in trajs], [len(t.prompt_ids) for t in trajs],
-                            cfg.optim.micro_batch_tokens)
+        mbs = packing.plan([(t.ids, t.loss_mask) for t in trajs], [len(t.prompt_ids) for t in trajs],
+                           cfg.optim.micro_batch_tokens, cfg.optim.pack_row_tokens)
         padded_tok = sum(len(mb) * max(len(trajs[i].ids) for i in mb)
                          for mb in train.pack([len(t.ids) for t in trajs], cfg.optim.micro_batch_tokens))
-        packed_tok = sum(len(r.ids) for r in rows)
+        # tokens the packed forward computes: each micro-batch is (rows, longest row)
+        packed_tok = sum(len(mb.rows) * max(len(r.ids) for r in mb.rows) for mb in mbs)
         print(f"{name}: {len(trajs)} trajectories, {sum(len(t.ids) for t in trajs)} tokens, padded layout "
-              f"{padded_tok}, packed {packed_tok} in {len(rows)} rows", flush=True)
+              f"{padded_tok}, packed {packed_tok} in {len(mbs)} micro-batches of "
+              f"{sum(len(mb.rows) for mb in mbs)} rows", flush=True)
         fns = {"padded": lambda: padded_update(model, opt, sch, trajs, adv, cfg, device),
                "packed": lambda: train.update(model, None, opt, sch, trajs, adv, cfg, 1, device)}
         for fn in fns.values():  # warm-up (and CUDA: kernels, flex compile)
@@ -250,6 +255,8 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--shape", default="", choices=["", *sorted(SHAPES)], help="default: configs/tiny.yaml's model")
     ap.add_argument("--mbt", type=int, default=0, help="optim.micro_batch_tokens (default: tiny.yaml's)")
+    ap.add_argument("--row-tokens", type=int, default=-1,
+                    help="optim.pack_row_tokens (default: 512 on CPU, 0 = one row per micro-batch on CUDA)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100 SXM)")
     ap.add_argument("--procs", action="store_true", help="1 vs 2 processes instead (see the top)")
     ap.add_argument("--seqs", type=int, default=64, help="--procs: sequences in the global batch")

@@ -199,3 +199,24 @@ def test_update_gradients_equal_padded_reference(agg, epochs, minis, kl, ckpt, l
         for a, b in zip(got_step, want_step):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     assert all(p.grad is None for p in model.parameters())  # freed after the optimizer step
+
+
+# -----------------------------------------------------------------------------
+# 2 ranks (FSDP2, gloo): the packed update's gradients equal one process's
+
+
+def test_update_two_ranks_equal_one_process(tmp_path):
+    import subprocess
+    import sys
+
+    import update_dist_check
+    from conftest import ROOT, torchrun_env
+    ref_file = tmp_path / "reference.pt"
+    torch.save([update_dist_check.reference(case) for case in update_dist_check.CASES], ref_file)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "update_dist_check.py"), str(ref_file)]
+    p = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    results = [line for line in out.splitlines() if line.startswith("RESULT")]
+    assert p.returncode == 0 and len(results) == len(update_dist_check.CASES), out[-4000:]
+    assert all(line.endswith(" ok") for line in results), results
