@@ -184,7 +184,7 @@ def forward(model, mb: MicroBatch, device, temperature: float):
     rows = mb.rows
     plain = all(r.plain for r in rows)  # one sequence per row: causal, right padding is harmless
     width = max(len(r.ids) for r in rows)
-    if device.type == "cuda" and not plain:
+    if torch.device(device).type == "cuda" and not plain:
         # FlexAttention is compiled per shape: widths rounded up to its 128-token block keep the
         # number of distinct shapes (and compiles) small
         width = -(-width // FLEX_BLOCK) * FLEX_BLOCK
