@@ -51,10 +51,10 @@ class Trajectory:
 
 
 class _Row:  # sampler state of one trajectory
-    __slots__ = ("t", "key", "start", "budget", "ctx_limited", "reason", "pending")
+    __slots__ = ("t", "key", "start", "budget", "ctx_limited", "reason", "pending", "key_index")
 
-    def __init__(self, t: Trajectory, key: int):
-        self.t, self.key, self.start, self.budget = t, key, 0, 0
+    def __init__(self, t: Trajectory, key: int, key_index: int = 0):
+        self.t, self.key, self.start, self.budget, self.key_index = t, key, 0, 0, key_index
         self.ctx_limited, self.reason, self.pending = False, "", None
 
 
@@ -106,7 +106,14 @@ def _merge(parts: list[tuple[KVCache, list[int]]], max_len: int) -> KVCache:
 # the engine: waves -> prefill -> (decode turn -> env -> extend)*
 
 
-def _decode_turn(model, cache, rows, logits, sc, stopper, greedy, may_continue):
+class _HookRow:  # what a logits hook sees of a row (ids, turn_start, num_turns, index)
+    __slots__ = ("ids", "turn_start", "num_turns", "index")
+
+    def __init__(self, r):
+        self.ids, self.turn_start, self.num_turns, self.index = r.t.ids, r.start, r.t.num_turns, r.key_index
+
+
+def _decode_turn(model, cache, rows, logits, sc, stopper, greedy, may_continue, hook=None):
     """Sample until every row has stopped. logits (B, V): next-token logits of each row.
     Returns the parked pieces [(cache, rows)] of stopped rows whose reason is in may_continue."""
     dev = cache.lengths.device
@@ -114,6 +121,8 @@ def _decode_turn(model, cache, rows, logits, sc, stopper, greedy, may_continue):
     live, pieces = [True] * len(rows), []
     compact_frac = sc.compact_frac
     while True:
+        if hook is not None:
+            logits = hook(logits, [_HookRow(r) for r in rows])
         # positions for the counter-based noise = tokens already in the trajectory = cache length
         tok, lp = sample_next(logits, keys, cache.lengths, temperature=sc.temperature,
                               top_p=sc.top_p, top_k=sc.top_k, greedy=greedy)  # (B,), (B,)
@@ -147,7 +156,7 @@ def _decode_turn(model, cache, rows, logits, sc, stopper, greedy, may_continue):
         logits = model(tok[:, None], cache=cache, chunk_lens=cl)[:, -1]  # (B, V)
 
 
-def _engine(model, trajs, keys, sc, stopper, greedy, row_cap, end_turn, may_continue, max_context):
+def _engine(model, trajs, keys, sc, stopper, greedy, row_cap, end_turn, may_continue, max_context, hook=None):
     """Run trajectories (prompt already in t.ids) to the end, in waves. end_turn(rows) -> per row
     the ids to append before the next turn (the row continues) or None (it ended)."""
     was_training = model.training
@@ -157,18 +166,18 @@ def _engine(model, trajs, keys, sc, stopper, greedy, row_cap, end_turn, may_cont
             per_wave = max(1, sc.kv_budget_tokens // max(1, row_cap))
             for w in range(0, len(trajs), per_wave):
                 rows = []
-                for t, k in zip(trajs[w:w + per_wave], keys[w:w + per_wave]):
+                for i, (t, k) in enumerate(zip(trajs[w:w + per_wave], keys[w:w + per_wave])):
                     if len(t.ids) >= max_context:
                         t.stop_reason = "max_context"
                     else:
-                        rows.append(_Row(t, k))
+                        rows.append(_Row(t, k, w + i))
                 if rows:
-                    _wave(model, rows, sc, stopper, greedy, end_turn, may_continue, max_context, row_cap)
+                    _wave(model, rows, sc, stopper, greedy, end_turn, may_continue, max_context, row_cap, hook)
     finally:
         model.train(was_training)
 
 
-def _wave(model, rows, sc, stopper, greedy, end_turn, may_continue, max_context, row_cap):
+def _wave(model, rows, sc, stopper, greedy, end_turn, may_continue, max_context, row_cap, hook=None):
     dev = next(model.parameters()).device
     uniq: dict[tuple, int] = {}
     src = [uniq.setdefault(tuple(r.t.ids), len(uniq)) for r in rows]  # shared prompt prefill
@@ -183,7 +192,7 @@ def _wave(model, rows, sc, stopper, greedy, end_turn, may_continue, max_context,
             r.start, r.t.num_turns = len(r.t.ids), r.t.num_turns + 1
             r.budget = min(sc.max_new_tokens, max_context - len(r.t.ids))
             r.ctx_limited = r.budget < sc.max_new_tokens
-        pieces = _decode_turn(model, cache, rows, logits, sc, stopper, greedy, may_continue)
+        pieces = _decode_turn(model, cache, rows, logits, sc, stopper, greedy, may_continue, hook)
         for r in rows:
             r.t.turn_spans.append((r.start, len(r.t.ids)))
         for r, app in zip(rows, end_turn(rows)):
@@ -217,7 +226,7 @@ def eos_ids(tokenizer) -> list[int]:
 
 
 def generate(model, prompts: list[list[int]], cfg, stop_strings, tokenizer, *, seed: int,
-             greedy: bool = False, eos: list[int] | None = None) -> list[Trajectory]:
+             greedy: bool = False, eos: list[int] | None = None, logits_hook=None) -> list[Trajectory]:
     """Single-turn batched sampling. prompts: token ids; cfg: config.SamplingConfig.
     eos: ids that end a row (default eos_ids(tokenizer); [] ignores EOS). Returns one Trajectory
     per prompt (num_turns 1, stop_reason stop|eos|length|max_context)."""
@@ -232,7 +241,7 @@ def generate(model, prompts: list[list[int]], cfg, stop_strings, tokenizer, *, s
         return [None] * len(rows)
 
     row_cap = min(cfg.max_context, max(len(p) for p in prompts) + cfg.max_new_tokens)
-    _engine(model, trajs, keys, cfg, stopper, greedy, row_cap, end_turn, set(), cfg.max_context)
+    _engine(model, trajs, keys, cfg, stopper, greedy, row_cap, end_turn, set(), cfg.max_context, logits_hook)
     if tokenizer is not None:
         for t in trajs:
             t.text = tokenizer.decode(t.ids[len(t.prompt_ids):])
@@ -269,7 +278,7 @@ def _db_path(ex: dict, db_root) -> str:
 
 
 def rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root, *, n: int = 1,
-            seed: int = 0, greedy: bool = False) -> list[Trajectory]:
+            seed: int = 0, greedy: bool = False, logits_hook=None) -> list[Trajectory]:
     """Multi-turn episodes, n samples per example (example-major: index i*n + j is sample j of
     example i). Each example needs db_path (absolute or relative to db_root) + what
     prompts.build_messages reads (question, evidence, ...). Returns P*n Trajectories."""
@@ -328,7 +337,7 @@ def rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root
                   + turns * sampling_cfg.max_new_tokens + (turns - 1) * obs_cap)
     may_continue = {"stop", "length"} | ({"eos"} if conv else set())
     _engine(model, trajs, keys, sampling_cfg, stopper, greedy, row_cap, end_turn, may_continue,
-            max_context)
+            max_context, logits_hook)
     for t in trajs:
         t.text = tokenizer.decode(t.ids[len(t.prompt_ids):])
     return trajs
