@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import env
+import rollout as rollout_module
 import tiny
 from config import DataConfig, EnvConfig, SamplingConfig
 from model import Transformer
@@ -243,10 +244,24 @@ def test_rollout_matches_reference(tok_model, db, conversation, greedy):
     assert sum(w["tools"] for w in want) >= 3
 
 
+@pytest.fixture
+def engines(monkeypatch):
+    """The engines rollout/generate build in a test, to read their counters."""
+    made = []
+
+    class Recording(rollout_module.Engine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(rollout_module, "Engine", Recording)
+    return made
+
+
 @pytest.mark.parametrize("budget", [1 << 20, 400])
-def test_rollout_matches_reference_under_small_budgets(tok_model, db, budget):
-    """A KV budget far below the work (rows evicted and recomputed, or run a few at a time) and a
-    max_context that cuts turns and refuses observations change nothing."""
+def test_rollout_matches_reference_under_small_budgets(tok_model, db, engines, budget):
+    """A KV budget far below the work (rows evicted and recomputed) and a max_context that cuts
+    turns and refuses observations change nothing."""
     tok, model = tok_model
     ecfg = EnvConfig(max_turns=5, workers=1)
     prompt_len = len(render_prompt(tok, examples()[1], DATA, "tags", str(db)))
@@ -256,3 +271,10 @@ def test_rollout_matches_reference_under_small_budgets(tok_model, db, budget):
     want = ref_rollout(model, tok, examples(), ecfg, cfg, db, n=4, seed=9, greedy=False, hook=hook)
     assert_same(got, want)
     assert "max_context" in {w["reason"] for w in want}
+    assert (engines[0].evictions > 0) == (budget == 400)
+
+
+def test_budget_below_one_sequence_is_a_clear_error(tok_model):
+    tok, model = tok_model
+    with pytest.raises(ValueError, match="kv_budget_tokens=100 cannot hold one sequence of 124 tokens"):
+        generate(model, [tok.encode("x" * 100)], scfg(max_new_tokens=24, kv_budget_tokens=100), STOPS, tok, seed=0)
