@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT
+from conftest import ROOT, torchrun_env
 
 import dataset
 import eval as ev
@@ -182,7 +182,7 @@ def test_files_order_and_placeholders(setup, greedy_run):
 def test_torchrun_two_processes_match_one(setup, greedy_run):
     d, _, base = setup
     out = str(d / "greedy2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "eval.py")] + base + ["--out", out]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
@@ -209,7 +209,7 @@ def answers_for(ex):
 
 def stub_rollout(plan):
     """plan[example id] = kinds of its samples (None = no solution). Episodes are example-major."""
-    def fake(model, tok, exs, env_cfg, sampling_cfg, data_cfg, db_root, *, n=1, seed=0, greedy=False):
+    def fake(model, tok, exs, env_cfg, sampling_cfg, data_cfg, db_root, *, n=1, seed=0, greedy=False, dtype=None):
         out = []
         for ex in exs:
             for kind in plan[ex["id"]][:n]:

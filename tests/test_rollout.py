@@ -355,7 +355,7 @@ def test_eos_turn(tok, db, model, conversation, eos_steps_env):
 
 def test_skyrl_configs_step_the_env_on_eos():
     from config import load_config
-    for name in ("skyrl_sql_7b.yaml", "skyrl_sql_7b_2node.yaml"):
+    for name in ("skyrl_sql_7b.yaml", "skyrl_sql_7b_2node.yaml", "skyrl_sql_7b_lora.yaml"):
         assert load_config([str(ROOT / "configs" / name)]).env.eos_steps_env, name
     assert not EnvConfig().eos_steps_env
 
