@@ -209,10 +209,14 @@ class DecodeRows:
     is identified by (sequence, epoch): a sequence that left and came back is a new row.
 
     With mirror (CPU), the batch's K/V are also kept in one contiguous tensor per K and V,
-    (n_layers, B, Hk, W tokens, D), gathered from the blocks when the batch changes and then
-    appended to by every step: a CPU decode step reads them as they are instead of gathering
-    every row's blocks again (on a CPU that gather costs as much as the attention).
+    (n_layers, B, Hk, W tokens, D), gathered from the blocks once the batch has stayed the same for
+    MIRROR_AFTER steps and then appended to by every step: a CPU decode step reads them as they are
+    instead of gathering every row's blocks again (on a CPU that gather costs as much as the
+    attention). Building it costs about two gathers, so a batch that changes every step (rows
+    ending turns at different times, as in real rollouts) gathers instead.
     """
+
+    MIRROR_AFTER = 2  # unchanged decode steps before the mirror is built
 
     def __init__(self, device, block_size: int, scratch: int, mirror: bool = False):
         self.device, self.block_size, self.scratch, self.mirrored = device, block_size, scratch, mirror
@@ -221,10 +225,12 @@ class DecodeRows:
         self.tokens, self.positions, self.keys = (torch.zeros(0, **long) for _ in range(3))
         self.tables = torch.full((0, 1), scratch, **long)
         self.mirror_kv = None  # (k, v): (n_layers, B, Hk, W, D), valid for self.ids
+        self.unchanged = 0  # decode steps since the batch last changed
 
     def sync(self, seqs: list[Sequence]) -> None:
         ids = [(s, s.epoch) for s in seqs]
         if ids == self.ids:
+            self.unchanged += 1
             return
         old = {r: i for i, r in enumerate(self.ids)}
         kept = [(i, old[r]) for i, r in enumerate(ids) if r in old]
@@ -249,7 +255,7 @@ class DecodeRows:
             tables[new] = torch.tensor([s.block_table + [self.scratch] * (width - len(s.block_table)) for s in js],
                                        **long)
         self.ids, self.tokens, self.positions, self.keys, self.tables = ids, tokens, positions, keys, tables
-        self.mirror_kv = None
+        self.mirror_kv, self.unchanged = None, 0
 
     def set_written_blocks(self, blocks: torch.Tensor, width: int) -> None:
         """tables[b, positions[b] // block_size] := blocks[b]: between steps the only entry that can
@@ -262,11 +268,11 @@ class DecodeRows:
         self.tables[rows, self.positions // self.block_size] = blocks
 
     def mirror(self, cache: PagedKVCache, blocks: int):
-        """(k, v, rows) for PagedBatch.mirror (None without mirror): gathered from the blocks when
-        the batch changed, else as the last step left it. It holds as many blocks as any row can
+        """(k, v, rows) for PagedBatch.mirror, or None (no mirror, or a batch that changed in the last
+        MIRROR_AFTER steps: gather instead): gathered from the blocks, then as the last step left it. It holds as many blocks as any row can
         reach in its turn (turn start + budget), so it never grows while the batch is unchanged."""
-        if not self.mirrored:
-            return None
+        if not self.mirrored or (self.mirror_kv is None and self.unchanged < self.MIRROR_AFTER):
+            return None  # gather this step
         L, _, bs, Hk, D = cache.k.shape
         B = len(self.ids)
         if self.mirror_kv is None or self.mirror_kv[0].shape[3] < blocks * bs:
