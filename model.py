@@ -193,9 +193,7 @@ def paged_attention(q, k, v, k_pool, v_pool, slots, table, mask, mirror=None):
     k_pool.view(-1, Hk, D).index_copy_(0, slots, k.reshape(-1, Hk, D))
     v_pool.view(-1, Hk, D).index_copy_(0, slots, v.reshape(-1, Hk, D))
     if table is None:
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, enable_gqa=True)
-        return y.transpose(1, 2)
+        return _attend(q, k.transpose(1, 2), v.transpose(1, 2), None)
     S = mask.shape[-1]
     if mirror is not None:
         mk, mv, rows = mirror
@@ -205,7 +203,28 @@ def paged_attention(q, k, v, k_pool, v_pool, slots, table, mask, mirror=None):
     else:
         kc = k_pool.index_select(0, table).view(B, S, Hk, D).transpose(1, 2)  # (B, Hk, S, D) strided view
         vc = v_pool.index_select(0, table).view(B, S, Hk, D).transpose(1, 2)
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask, enable_gqa=True)
+    return _attend(q, kc, vc, mask)
+
+
+def _attend(q, k, v, mask):
+    """SDPA of q (B, T, H, D) over k, v (B, Hk, S, D) -> (B, T, H, D), in a form fused kernels take.
+
+    mask (B, 1, T, S) bool, or None: causal. Decode (T = 1): the G = H / Hk query heads of each K/V
+    head are folded into the query axis, q (B, Hk, G, D) (a view: query head h = hk G + g reads
+    K/V head hk, as enable_gqa), and the mask broadcasts over them; every fused kernel (fp32 too)
+    takes that and reads each K/V head once. Otherwise enable_gqa: flash and cuDNN take it in
+    bf16/fp16; CUDA has no fused GQA kernel in fp32 (tests only), so K/V are repeated there.
+    """
+    B, T, H, D = q.shape
+    Hk = k.shape[1]
+    if T == 1 and mask is not None:
+        y = F.scaled_dot_product_attention(q.reshape(B, Hk, H // Hk, D), k, v, attn_mask=mask)
+        return y.reshape(B, 1, H, D)
+    gqa = Hk != H
+    if gqa and q.is_cuda and q.dtype == torch.float32:
+        k, v, gqa = k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1), False
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
+                                       enable_gqa=gqa)
     return y.transpose(1, 2)
 
 

@@ -22,7 +22,7 @@ Printed last: kv_utilization (mean over decode steps of the pool's blocks in use
 concurrency_vs_worst_case (mean rows per decode step, paged / worst case) and
 rollout_speedup_vs_worst_case (median over interleaved pairs of worst-case time / paged time).
 
-    .venv/bin/python bench/rollout_scale.py [--pairs 3] [--prompts 24]              # CPU, fp32
+    .venv/bin/python bench/rollout_scale.py [--pairs 3] [--prompts 48] [--threads 1]  # CPU, fp32
     python bench/rollout_scale.py --device cuda --shape qwen2.5-0.5b                # GPU, bf16
 
 On CUDA it also prints tokens/s and the fraction of the HBM roofline (each decode step must read
@@ -163,7 +163,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--shape", default="bench6m", choices=sorted(SHAPES))
-    ap.add_argument("--prompts", type=int, default=0, help="default 24 on CPU, 32 on CUDA")
+    ap.add_argument("--prompts", type=int, default=0, help="default 48 on CPU, 32 on CUDA")
     ap.add_argument("--max-context", type=int, default=0, help="default 1450 on CPU, 4096 on CUDA")
     ap.add_argument("--pairs", type=int, default=0, help="default 3 on CPU, 1 on CUDA")
     ap.add_argument("--block-size", type=int, default=16)
@@ -182,7 +182,7 @@ def main():
     tiny.build_tiny_model(d, **shape)
     model = Transformer.from_pretrained(d, dtype=dtype, device=dev)
     eos = shape["vocab_size"] - 1
-    plans = make_workload(a.prompts or (32 if cuda else 24), max_context, max_new, shape["vocab_size"])
+    plans = make_workload(a.prompts or (32 if cuda else 48), max_context, max_new, shape["vocab_size"])
     where = torch.cuda.get_device_name(dev) if cuda else f"cpu, threads {a.threads}"
     print(f"model {a.shape} {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {dtype}; {where}")
     describe(plans, max_context)
