@@ -71,14 +71,18 @@ class DataConfig:
 class EnvConfig:
     protocol: str = choice("tags", "tags", "actions")  # SkyRL tags or sql_env actions
     conversation: str = choice("single", "single", "conversation")  # obs inside one message or as user turns
-    max_turns: int = 6  # generations per episode (tool turns + final)
-    step_budget: int = 12  # actions protocol: max steps
+    max_turns: int = 6  # generations per episode (tool turns + final); tags protocol
+    step_budget: int = 12  # actions protocol: generations per episode (sql_env's step budget)
+    eos_steps_env: bool = False  # single format: a turn ending on EOS without a tag still gets the
+    #                              invalid-action observation and the episode goes on (SkyRL's generator)
+    tool_overlap_steps: int = 4  # engine steps a batch of tool calls runs beside decoding before
+    #                              its rows wait for it (a fixed count keeps the rollout deterministic)
     tool_timeout_s: float = 5.0
     max_rows: int = 50  # rows shown when the table is too long
     fetch_rows: int = 10000  # rows fetched at most (memory bound)
     max_obs_chars: int = 9000  # longer tables are cut to max_rows rows with a note
     workers: int = 0  # SQL worker processes per rank; 0 = cores / ranks on this machine
-    # observation strings (SkyRL's, GUIDE §1); env.py fills {result}, {turns_left}, {error}, {shown}, {total}
+    # observation strings (SkyRL-SQL's); env.py fills {result}, {turns_left}, {error}, {shown}, {total}
     obs_template: str = ("\n\n<observation>{result}\n<reminder>You have {turns_left} turns left to complete"
                          " the task.</reminder></observation>\n\n")
     invalid_text: str = ("Your previous action is invalid. Follow the format of outputting thinking process"
@@ -108,8 +112,10 @@ class SamplingConfig:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 3000  # per turn
     max_context: int = 29000  # prompt + all turns
-    kv_budget_tokens: int = 1_000_000  # cached tokens per rank; more trajectories run in waves
-    compact_frac: float = 0.25  # (rollout.py) drop stopped rows from the batch once this fraction has stopped
+    kv_budget_tokens: int = 1_000_000  # KV cache tokens per rank: rows run while their blocks fit
+    block_size: int = 16  # tokens per KV cache block (the unit of paging and prompt sharing)
+    max_rows: int = 0  # most sequences decoding at once; 0 = as many as the KV budget holds
+    cuda_graphs: bool = False  # CUDA: replay the decode forward from captured graphs (ignored on CPU)
     eval_temperature: float = 0.0  # 0 = greedy
 
 

@@ -213,8 +213,9 @@ def generate_chunk(model, tok, exs: list[dict], first: int, cfg, n: int, seed: i
     """Episodes of exs (global indices first, first+1, ...) -> one record per episode, example-major.
     The seed depends on the chunk only, so any split over ranks gives the same episodes."""
     import rollout
+    import distributed
     trajs = rollout.rollout(model, tok, exs, cfg.env, cfg.sampling, cfg.data, cfg.data.db_root,
-                            n=n, seed=seed, greedy=greedy)
+                            n=n, seed=seed, greedy=greedy, dtype=distributed.compute_dtype(cfg))
     reps = [ex for ex in exs for _ in range(n)]  # rollout is example-major too
     lines = [one_line(t.final_sql) if t.finished else "" for t in trajs]
     spider = cfg.reward.mode == "spider"  # score the line as `score` will read it

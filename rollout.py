@@ -1,35 +1,34 @@
-"""Batched KV-cached sampling and the multi-turn text-to-SQL tool loop.
+"""Multi-turn text-to-SQL episodes on the sampler's engine: render, sample, parse, run the tool, observe.
 
     from rollout import generate, rollout
     trajs = generate(model, prompt_ids, sampling_cfg, ["</sql>"], tokenizer, seed=0)  # one turn
     trajs = rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root,
-                    n=5, seed=step)                                                   # episodes
+                    n=5, seed=step, dtype=torch.bfloat16)                             # episodes
 
-How it runs (one engine for both):
-- Trajectories run in waves of at most kv_budget_tokens // row_cap rows. In a wave, identical
-  prompts are prefilled once (right padded, chunk_lens) and the cache rows are copied into the
-  G samples (KVCache.select with repeats).
-- A turn decodes all live rows one token per step. A row stops on EOS, a stop string (found on
-  a few tail tokens, see sampling.StopChecker), max_new_tokens or max_context. When a fraction
-  compact_frac of the batch has stopped, stopped rows leave the batch (select), so compute
-  follows live rows; rows that may continue are parked with their cache until the turn ends.
-- After a turn, the env runs all rows' SQL in one batch; each continuing row gets its last
-  sampled token + the observation tokens (tokenized once) appended in ONE forward for all rows
-  (chunk_lens). Loss mask 1 exactly on sampled tokens; ids are never re-tokenized.
-- Randomness is counter-based per (seed, trajectory, position) (sampling.py), so the samples do
-  not depend on waves, batch composition or compaction.
+An episode: the prompt (chat template) is sampled until a stop string, EOS or the turn's budget;
+the env parses the turn and runs its SQL; the observation's tokens are appended (loss mask 0) and
+the next turn samples after them; `_end_reason` alone decides when an episode ends. Token in,
+token out: ids are never re-tokenized, the loss mask is 1 exactly on sampled tokens, logprobs are
+the sampler's (log softmax of logits / temperature). The engine (engine.py: paged KV cache,
+continuous batching) keeps every row's cache between turns; rows that ended a turn wait for their
+tool calls in a background thread while the others keep decoding (ToolCalls). Randomness is
+counter-based per (seed, trajectory, position) (sampling.py): batching, evictions and timing
+never change a sample.
 
-Tests: .venv/bin/pytest tests/test_rollout.py   Benchmarks: bench/sampler.py, bench/multiturn.py
+Tests: .venv/bin/pytest tests/test_rollout.py tests/test_engine.py
+Benchmarks: bench/sampler.py, bench/multiturn.py, bench/rollout_scale.py
 """
 from __future__ import annotations
 
-import os
+import functools
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
-from model import KVCache
-from sampling import StopChecker, row_key, sample_next
+import dataset
+from engine import Engine
+from sampling import StopChecker, row_key
+from scheduler import Sequence
 
 
 @dataclass
@@ -42,171 +41,30 @@ class Trajectory:
     num_turns: int = 0
     num_tool_calls: int = 0
     final_sql: str = ""
-    stop_reason: str = ""  # solution|max_turns|max_context|eos|invalid|done (generate: stop|eos|length|max_context)
+    stop_reason: str = ""  # solution|max_turns|max_context|eos (generate: stop|eos|length|max_context)
     finished: bool = False  # wrote a final answer (solution)
     text: str = ""  # everything after the prompt, decoded once at the end
     steps: list[dict] = field(default_factory=list)  # per env step: env.step_record (kind, arg, ok, rows)
     index: int = 0  # example index (rollout) or prompt index (generate)
     sample: int = 0  # sample index within the example's group
+    seq: Sequence | None = field(default=None, repr=False)  # the engine's state while it runs
 
-
-class _Row:  # sampler state of one trajectory
-    __slots__ = ("t", "key", "start", "budget", "ctx_limited", "reason", "pending")
-
-    def __init__(self, t: Trajectory, key: int):
-        self.t, self.key, self.start, self.budget = t, key, 0, 0
-        self.ctx_limited, self.reason, self.pending = False, "", None
-
-
-# -----------------------------------------------------------------------------
-# cache plumbing
-
-
-def _feed(model, cache: KVCache, chunks: list[list[int]], max_tokens: int = 16384) -> torch.Tensor:
-    """Append chunks[b] to row b of the cache (right padded, chunk_lens; empty = untouched) and
-    return the logits after each row's last token, (B, V) (undefined for empty chunks). Long
-    chunks go in pieces of ~max_tokens padded tokens per forward (bounds the attention mask)."""
-    B, lens = len(chunks), [len(c) for c in chunks]
-    dev = cache.lengths.device
-    step = max(1, max_tokens // B)
-    out = None
-    for s in range(0, max(lens), step):
-        part = [c[s:s + step] for c in chunks]
-        w = max(len(p) for p in part)
-        x = torch.tensor([p + [0] * (w - len(p)) for p in part], dtype=torch.long, device=dev)  # (B, w)
-        cl = torch.tensor([len(p) for p in part], dtype=torch.long, device=dev)  # (B,)
-        last = model(x, cache=cache, chunk_lens=None if all(len(p) == w for p in part) else cl,
-                     logits_at=(cl - 1).clamp(min=0))  # (B, V)
-        ends = torch.tensor([s < n <= s + step for n in lens], device=dev)[:, None]
-        out = last if out is None else torch.where(ends, last, out)
-    return out
-
-
-def _merge(parts: list[tuple[KVCache, list[int]]], max_len: int) -> KVCache:
-    """One cache of the given rows of several caches, in order, with room for max_len tokens."""
-    c0 = parts[0][0]
-    L, _, H, _, D = c0.k.shape
-    n = sum(len(idx) for _, idx in parts)
-    new = KVCache(L, n, H, max_len, D, c0.k.dtype, c0.k.device)
-    off, lengths = 0, []
-    for c, idx in parts:
-        if not idx:
-            continue
-        i = torch.tensor(idx, dtype=torch.long, device=c.lengths.device)
-        used = int(c.lengths[i].max())  # slots past a row's length are masked (and finite)
-        new.k[:, off:off + len(idx), :, :used] = c.k[:, i, :, :used]
-        new.v[:, off:off + len(idx), :, :used] = c.v[:, i, :, :used]
-        lengths.append(c.lengths[i])
-        off += len(idx)
-    new.lengths = torch.cat(lengths)
-    return new
+    @classmethod
+    def start(cls, prompt: list[int], key: int, index: int, sample: int, position: int) -> "Trajectory":
+        seq = Sequence(list(prompt), key=key, index=position)
+        return cls(list(prompt), seq.ids, seq.loss_mask, seq.logprobs, index=index, sample=sample, seq=seq)
 
 
 # -----------------------------------------------------------------------------
-# the engine: waves -> prefill -> (decode turn -> env -> extend)*
+# tokens around the model's turns
 
 
-def _decode_turn(model, cache, rows, logits, sc, stopper, greedy, may_continue):
-    """Sample until every row has stopped. logits (B, V): next-token logits of each row.
-    Returns the parked pieces [(cache, rows)] of stopped rows whose reason is in may_continue."""
-    dev = cache.lengths.device
-    keys = torch.tensor([r.key for r in rows], dtype=torch.long, device=dev)  # (B,)
-    live, pieces = [True] * len(rows), []
-    compact_frac = sc.compact_frac
-    while True:
-        # positions for the counter-based noise = tokens already in the trajectory = cache length
-        tok, lp = sample_next(logits, keys, cache.lengths, temperature=sc.temperature,
-                              top_p=sc.top_p, top_k=sc.top_k, greedy=greedy)  # (B,), (B,)
-        vals = torch.stack([tok.double(), lp.double()], 1).tolist()  # one host sync per step
-        for i, r in enumerate(rows):
-            if not live[i]:
-                continue
-            t = r.t
-            t.ids.append(int(vals[i][0]))
-            t.loss_mask.append(1)
-            t.logprobs.append(vals[i][1])
-            reason = stopper.check(t.ids, r.start)
-            if reason is None and len(t.ids) - r.start >= r.budget:
-                reason = "max_context" if r.ctx_limited else "length"
-            if reason:
-                r.reason, live[i] = reason, False
-        n_live = sum(live)
-        if n_live == 0 or len(rows) - n_live >= max(1.0, compact_frac * len(rows)):
-            # compaction: stopped rows leave the batch (parked if they may continue)
-            park = [i for i, r in enumerate(rows) if not live[i] and r.reason in may_continue]
-            if park:
-                pieces.append((cache, [rows[i] for i in park]) if n_live == 0 and len(park) == len(rows)
-                              else (cache.select(torch.tensor(park, device=dev)), [rows[i] for i in park]))
-            if n_live == 0:
-                return pieces
-            keep = torch.tensor([i for i in range(len(rows)) if live[i]], device=dev)
-            cache, keys, tok = cache.select(keep), keys[keep], tok[keep]
-            rows = [rows[i] for i in keep.tolist()]
-            live = [True] * n_live
-        cl = None if n_live == len(rows) else torch.tensor(live, dtype=torch.long, device=dev)
-        logits = model(tok[:, None], cache=cache, chunk_lens=cl)[:, -1]  # (B, V)
-
-
-def _engine(model, trajs, keys, sc, stopper, greedy, row_cap, end_turn, may_continue, max_context):
-    """Run trajectories (prompt already in t.ids) to the end, in waves. end_turn(rows) -> per row
-    the ids to append before the next turn (the row continues) or None (it ended)."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            per_wave = max(1, sc.kv_budget_tokens // max(1, row_cap))
-            for w in range(0, len(trajs), per_wave):
-                rows = []
-                for t, k in zip(trajs[w:w + per_wave], keys[w:w + per_wave]):
-                    if len(t.ids) >= max_context:
-                        t.stop_reason = "max_context"
-                    else:
-                        rows.append(_Row(t, k))
-                if rows:
-                    _wave(model, rows, sc, stopper, greedy, end_turn, may_continue, max_context, row_cap)
-    finally:
-        model.train(was_training)
-
-
-def _wave(model, rows, sc, stopper, greedy, end_turn, may_continue, max_context, row_cap):
-    dev = next(model.parameters()).device
-    uniq: dict[tuple, int] = {}
-    src = [uniq.setdefault(tuple(r.t.ids), len(uniq)) for r in rows]  # shared prompt prefill
-    longest = max(len(r.t.ids) for r in rows)
-    cache = KVCache.for_model(model, len(uniq), min(max_context, longest + sc.max_new_tokens))
-    logits = _feed(model, cache, [list(u) for u in uniq])  # (P, V)
-    if src != list(range(len(uniq))):  # G samples of a prompt: copy its cache rows (P*G rows)
-        src_t = torch.tensor(src, dtype=torch.long, device=dev)
-        cache, logits = cache.select(src_t), logits[src_t]
-    while rows:
-        for r in rows:
-            r.start, r.t.num_turns = len(r.t.ids), r.t.num_turns + 1
-            r.budget = min(sc.max_new_tokens, max_context - len(r.t.ids))
-            r.ctx_limited = r.budget < sc.max_new_tokens
-        pieces = _decode_turn(model, cache, rows, logits, sc, stopper, greedy, may_continue)
-        for r in rows:
-            r.t.turn_spans.append((r.start, len(r.t.ids)))
-        for r, app in zip(rows, end_turn(rows)):
-            r.pending = None if app is None else [r.t.ids[-1]] + list(app)  # last sampled token is not cached yet
-            if app is not None:
-                r.t.ids.extend(app)
-                r.t.loss_mask.extend([0] * len(app))
-                r.t.logprobs.extend([0.0] * len(app))
-        parts = [(c, [i for i, r in enumerate(pr) if r.pending is not None]) for c, pr in pieces]
-        rows = [pr[i] for (_, pr), (_, idx) in zip(pieces, parts) for i in idx]
-        if not rows:
-            return
-        need = max(min(max_context, len(r.t.ids) + sc.max_new_tokens) for r in rows)
-        c0 = parts[0][0]
-        if len(parts) == 1 and len(rows) == c0.lengths.shape[0] and need <= c0.max_len:
-            cache = c0  # every row continues and fits: no copy
-        else:  # grow geometrically (fewer copies), within the row cap the kv budget assumed
-            cache = _merge(parts, max(need, min(row_cap, 2 * c0.max_len)))
-        logits = _feed(model, cache, [r.pending for r in rows])  # one forward for all observations
-
-
-# -----------------------------------------------------------------------------
-# public API
+def render_prompt(tokenizer, example: dict, data_cfg, protocol: str, db_root) -> list[int]:
+    """Prompt ids of one example: its chat messages rendered with the generation prompt."""
+    import prompts as prompt_lib
+    msgs = prompt_lib.build_messages(example, db_root, data_cfg, protocol=protocol)
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def eos_ids(tokenizer) -> list[int]:
@@ -216,29 +74,7 @@ def eos_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def generate(model, prompts: list[list[int]], cfg, stop_strings, tokenizer, *, seed: int,
-             greedy: bool = False, eos: list[int] | None = None) -> list[Trajectory]:
-    """Single-turn batched sampling. prompts: token ids; cfg: config.SamplingConfig.
-    eos: ids that end a row (default eos_ids(tokenizer); [] ignores EOS). Returns one Trajectory
-    per prompt (num_turns 1, stop_reason stop|eos|length|max_context)."""
-    eos = eos_ids(tokenizer) if eos is None else eos
-    stopper = StopChecker(tokenizer, stop_strings, eos, model.config.vocab_size)
-    trajs = [Trajectory(list(p), list(p), [0] * len(p), [0.0] * len(p), index=i) for i, p in enumerate(prompts)]
-    keys = [row_key(seed, i) for i in range(len(prompts))]
-
-    def end_turn(rows):
-        for r in rows:
-            r.t.stop_reason = r.reason
-        return [None] * len(rows)
-
-    row_cap = min(cfg.max_context, max(len(p) for p in prompts) + cfg.max_new_tokens)
-    _engine(model, trajs, keys, cfg, stopper, greedy, row_cap, end_turn, set(), cfg.max_context)
-    if tokenizer is not None:
-        for t in trajs:
-            t.text = tokenizer.decode(t.ids[len(t.prompt_ids):])
-    return trajs
-
-
+@functools.lru_cache(maxsize=16)
 def conversation_wrapper(tokenizer) -> tuple[str, str, str]:
     """(close, before, after) around an observation in the conversation format: `close` ends the
     assistant turn (an EOS token such as <|im_end|>; skipped when the model sampled it),
@@ -255,80 +91,166 @@ def conversation_wrapper(tokenizer) -> tuple[str, str, str]:
     return close, head[len(close):], s[o + len(O):]
 
 
-def render_prompt(tokenizer, example: dict, data_cfg, protocol: str, db_root) -> list[int]:
-    """Prompt ids of one example: its chat messages rendered with the generation prompt."""
-    import prompts as prompt_lib
-    msgs = prompt_lib.build_messages(example, db_root, data_cfg, protocol=protocol)
-    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+def observation_ids(tokenizer, observation: str, conversation: str, last_id: int | None = None) -> list[int]:
+    """The ids appended after a turn (tokenized once): the env's observation text as it is in the
+    single-message format; in the conversation format the assistant turn closed (unless its last
+    sampled token `last_id` already closed it), the observation as a user message and a new
+    assistant turn opened, exactly as the chat template renders the whole conversation."""
+    if conversation == "conversation":
+        close, before, after = conversation_wrapper(tokenizer)
+        sampled_close = close and last_id == tokenizer.convert_tokens_to_ids(close)
+        observation = ("" if sampled_close else close) + before + observation.strip() + after
+    return tokenizer.encode(observation, add_special_tokens=False)
 
 
-def _db_path(ex: dict, db_root) -> str:
-    p = ex["db_path"]
-    return p if os.path.isabs(p) or not db_root else os.path.join(db_root, p)
+# -----------------------------------------------------------------------------
+# single turn
 
 
-def rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root, *, n: int = 1,
-            seed: int = 0, greedy: bool = False) -> list[Trajectory]:
+def generate(model, prompts: list[list[int]], cfg, stop_strings, tokenizer, *, seed: int, greedy: bool = False,
+             eos: list[int] | None = None, dtype=None, logits_hook=None) -> list[Trajectory]:
+    """Single-turn batched sampling. prompts: token ids; cfg: config.SamplingConfig.
+    eos: ids that end a row (default eos_ids(tokenizer); [] ignores EOS). Returns one Trajectory
+    per prompt (num_turns 1, stop_reason stop|eos|length|max_context)."""
+    eos = eos_ids(tokenizer) if eos is None else eos
+    stopper = StopChecker(tokenizer, stop_strings, eos, model.config.vocab_size)
+    trajs = [Trajectory.start(p, row_key(seed, i), i, 0, i) for i, p in enumerate(prompts)]
+    worst = [min(cfg.max_context, len(p) + cfg.max_new_tokens) for p in prompts]
+    with Engine(model, cfg, stopper, worst_case=worst, greedy=greedy, dtype=dtype, logits_hook=logits_hook) as engine:
+        engine.add([t.seq for t in trajs if len(t.ids) < cfg.max_context])
+        while engine.busy():
+            for seq in engine.step():
+                engine.finish(seq)
+    for t in trajs:
+        t.num_turns, t.stop_reason = t.seq.num_turns, t.seq.stop_reason or "max_context"
+        t.turn_spans = [(t.seq.turn_start, len(t.ids))] if t.num_turns else []
+        t.text = tokenizer.decode(t.ids[len(t.prompt_ids):]) if tokenizer is not None else ""
+        t.seq = None
+    return trajs
+
+
+# -----------------------------------------------------------------------------
+# multi-turn episodes
+
+
+def max_turns(env_cfg) -> int:
+    """Generations an episode may have: max_turns (tags protocol) or step_budget (actions)."""
+    return env_cfg.step_budget if env_cfg.protocol == "actions" else env_cfg.max_turns
+
+
+def rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root, *, n: int = 1, seed: int = 0,
+            greedy: bool = False, dtype=None, logits_hook=None) -> list[Trajectory]:
     """Multi-turn episodes, n samples per example (example-major: index i*n + j is sample j of
     example i). Each example needs db_path (absolute or relative to db_root) + what
-    prompts.build_messages reads (question, evidence, ...). Returns P*n Trajectories."""
+    prompts.build_messages reads (question, evidence, ...). dtype: the KV cache's (the compute
+    dtype; default the parameters'). Returns P*n Trajectories."""
     import env
-
-    protocol, conv = env_cfg.protocol, env_cfg.conversation == "conversation"
-    eos = eos_ids(tokenizer)
-    stopper = StopChecker(tokenizer, env.STOP_STRINGS[protocol], eos, model.config.vocab_size)
-    close, before, after = conversation_wrapper(tokenizer) if conv else ("", "", "")
-    close_id = tokenizer.convert_tokens_to_ids(close) if close else None
-    max_context = sampling_cfg.max_context
-    prompt_ids = [render_prompt(tokenizer, ex, data_cfg, protocol, db_root) for ex in examples]
-    trajs = [Trajectory(list(p), list(p), [0] * len(p), [0.0] * len(p), index=i, sample=j)
-             for i, p in enumerate(prompt_ids) for j in range(n)]
-    keys = [row_key(seed, i) for i in range(len(trajs))]
-    dbs = [_db_path(ex, db_root) for ex in examples]
-    tool_kinds = {"sql", "describe", "sample", "query"}
-
-    def end_turn(rows):
-        out = [None] * len(rows)
-        todo = []
-        for j, r in enumerate(rows):
-            if r.reason == "max_context" or (r.reason == "eos" and not conv):
-                r.t.stop_reason = r.reason  # out of room, or the model closed its only message
-            else:
-                todo.append(j)
-        if not todo:
-            return out
-        texts = [tokenizer.decode(rows[j].t.ids[rows[j].start:]) for j in todo]
-        left = [env_cfg.max_turns - rows[j].t.num_turns for j in todo]
-        results = env.step_batch([dbs[rows[j].t.index] for j in todo], texts, left, env_cfg)
-        for j, k, res in zip(todo, left, results):
-            t, a = rows[j].t, res.action
-            t.steps.append(env.step_record(res))
-            t.num_tool_calls += a.kind in tool_kinds
-            if a.kind in ("solution", "answer"):
-                t.finished, t.final_sql, t.stop_reason = True, a.arg, "solution"
-            elif res.done or k <= 0:
-                t.stop_reason = "max_turns" if k <= 0 else ("invalid" if a.kind == "invalid" else "done")
-            else:
-                if conv:  # close the turn (unless EOS was sampled), user message, open assistant
-                    c = "" if t.ids[-1] == close_id else close
-                    obs = c + before + res.observation.strip() + after
-                else:
-                    obs = res.observation
-                ids = tokenizer.encode(obs, add_special_tokens=False)  # tokenized once
-                if len(t.ids) + len(ids) >= max_context:
-                    t.stop_reason = "max_context"
-                else:
-                    out[j] = ids
-        return out
-
-    obs_cap = env_cfg.max_obs_chars + 256  # rough token bound of one observation
-    turns = env_cfg.max_turns
-    row_cap = min(max_context, max(map(len, prompt_ids), default=1)
-                  + turns * sampling_cfg.max_new_tokens + (turns - 1) * obs_cap)
-    may_continue = {"stop", "length"} | ({"eos"} if conv else set())
-    _engine(model, trajs, keys, sampling_cfg, stopper, greedy, row_cap, end_turn, may_continue,
-            max_context)
+    prompts = [render_prompt(tokenizer, ex, data_cfg, env_cfg.protocol, db_root) for ex in examples]
+    dbs = [dataset.abs_db_path(ex, db_root) for ex in examples]
+    trajs = [Trajectory.start(p, row_key(seed, i * n + j), i, j, i * n + j) for i, p in enumerate(prompts) for j in range(n)]
+    stopper = StopChecker(tokenizer, env.STOP_STRINGS[env_cfg.protocol], eos_ids(tokenizer), model.config.vocab_size)
+    with Engine(model, sampling_cfg, stopper, worst_case=[_worst_case(t, env_cfg, sampling_cfg) for t in trajs],
+                greedy=greedy, dtype=dtype, logits_hook=logits_hook) as engine, ToolCalls(env_cfg) as tools:
+        for t in trajs:
+            _continue(engine, t, [], sampling_cfg.max_context)
+        while engine.busy() or tools.busy():
+            for t, step in tools.collect(engine.steps, idle=not engine.busy()):  # the env stepped a turn
+                t.steps.append(env.step_record(step))
+                t.num_tool_calls += step.action.kind in ("sql", "describe", "sample", "query")
+                if step.action.kind in ("solution", "answer"):
+                    t.finished, t.final_sql = True, step.action.arg
+                obs = observation_ids(tokenizer, step.observation, env_cfg.conversation, t.ids[-1])
+                if not _end(engine, t, _end_reason(t, env_cfg, sampling_cfg, step, obs)):
+                    _continue(engine, t, obs, sampling_cfg.max_context)
+            ended = [trajs[seq.index] for seq in engine.step()]  # a turn ended: end, or run its tool call
+            for t in ended:
+                t.turn_spans.append((t.seq.turn_start, len(t.ids)))
+            tools.submit(engine.steps, [(t, dbs[t.index], tokenizer.decode(t.ids[t.seq.turn_start:]),
+                                         max_turns(env_cfg) - t.seq.num_turns)
+                                        for t in ended if not _end(engine, t, _end_reason(t, env_cfg, sampling_cfg))])
     for t in trajs:
-        t.text = tokenizer.decode(t.ids[len(t.prompt_ids):])
+        t.num_turns, t.text, t.seq = t.seq.num_turns, tokenizer.decode(t.ids[len(t.prompt_ids):]), None
     return trajs
+
+
+def _end_reason(t: Trajectory, env_cfg, sampling_cfg, step=None, observation=None) -> str:
+    """Why the episode ends after its latest turn ("" = it goes on). The one place that decides:
+    called when the turn ends (step None: should the env see it?) and after the env stepped it."""
+    reason = t.seq.stop_reason
+    if reason == "max_context":
+        return "max_context"  # the turn was cut: no room for more
+    if reason == "eos" and env_cfg.conversation == "single" and not env_cfg.eos_steps_env:
+        return "eos"  # the model closed its only message
+    if step is None:
+        return ""
+    if step.action.kind in ("solution", "answer"):
+        return "solution"
+    if t.seq.num_turns >= max_turns(env_cfg):
+        return "max_turns"
+    if len(t.ids) + len(observation) >= sampling_cfg.max_context:
+        return "max_context"  # the observation leaves no room for a turn
+    return ""
+
+
+def _end(engine: Engine, t: Trajectory, reason: str) -> bool:
+    if reason:
+        t.stop_reason = reason
+        engine.finish(t.seq)
+    return bool(reason)
+
+
+def _continue(engine: Engine, t: Trajectory, observation: list[int], max_context: int) -> None:
+    """Append the observation (loss mask 0) and start the next turn."""
+    if len(t.ids) + len(observation) >= max_context:  # only a prompt can get here too long
+        _end(engine, t, "max_context")
+        return
+    t.ids.extend(observation)
+    t.loss_mask.extend([0] * len(observation))
+    t.logprobs.extend([0.0] * len(observation))
+    engine.add([t.seq])
+
+
+def _worst_case(t: Trajectory, env_cfg, sampling_cfg) -> int:
+    """The most KV tokens one episode can reach (sizes the KV pool when the budget is larger)."""
+    turns, obs_tokens = max_turns(env_cfg), 4 * env_cfg.max_obs_chars + 256  # <= 4 bytes a char, + template
+    return min(sampling_cfg.max_context, len(t.prompt_ids) + turns * sampling_cfg.max_new_tokens
+               + (turns - 1) * obs_tokens)
+
+
+class ToolCalls:
+    """The env steps of ended turns, run in a background thread while the engine keeps decoding.
+
+    A batch submitted at engine step s is collected at step s + env_cfg.tool_overlap_steps, or as
+    soon as the engine has nothing else to do; if it is not finished by then, the loop waits. The
+    schedule is fixed so which rows return when, and so every batch the engine forms, never
+    depends on timing: a seeded rollout is reproducible.
+    """
+
+    def __init__(self, env_cfg):
+        self.cfg, self.pending = env_cfg, deque()
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="tool-calls")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.thread.shutdown(wait=True, cancel_futures=True)
+
+    def busy(self) -> bool:
+        return bool(self.pending)
+
+    def submit(self, step: int, items: list[tuple[Trajectory, str, str, int]]) -> None:
+        """items: (trajectory, db path, the turn's text, generations left after it)."""
+        if items:
+            import env
+            dbs, texts, left = zip(*[i[1:] for i in items])
+            future = self.thread.submit(env.step_batch, list(dbs), list(texts), list(left), self.cfg)
+            self.pending.append((step + self.cfg.tool_overlap_steps, [i[0] for i in items], future))
+
+    def collect(self, step: int, idle: bool) -> list:
+        """(trajectory, env.StepResult) of every batch due at this step (all of them when idle)."""
+        out = []
+        while self.pending and (idle or self.pending[0][0] <= step):
+            _, trajs, future = self.pending.popleft()
+            out += zip(trajs, future.result())
+        return out

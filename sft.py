@@ -73,10 +73,7 @@ def render_prompts(tokenizer, examples, data_cfg, protocol, db_root) -> list[lis
 
 def observation_ids(tokenizer, obs: str, conversation: str) -> list[int]:
     """Observation ids exactly as rollout.rollout appends them after a turn that ended in a stop string."""
-    if conversation == "conversation":
-        close, before, after = rollout.conversation_wrapper(tokenizer)
-        obs = close + before + obs.strip() + after
-    return tokenizer.encode(obs, add_special_tokens=False)
+    return rollout.observation_ids(tokenizer, obs, conversation)
 
 
 def build_dataset(examples, prompts, tokenizer, cfg: C.Config, db_paths) -> list[tuple[list[int], list[int]]]:

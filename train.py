@@ -259,7 +259,7 @@ def run_episodes(model, tok, exs, cfg: C.Config, *, n: int, seed: int, greedy: b
     t0 = time.time()
     with phase("rollout"), unsharded(model):
         trajs = rollout.rollout(model, tok, exs, cfg.env, sampling or cfg.sampling, cfg.data, cfg.data.db_root,
-                                n=n, seed=seed, greedy=greedy)
+                                n=n, seed=seed, greedy=greedy, dtype=compute_dtype(cfg))  # KV cache dtype
     t1 = time.time()
     rep = [ex for ex in exs for _ in range(n)]  # rollout returns the n samples of an example together
     with phase("reward"):

@@ -1,16 +1,17 @@
 """Multi-turn overhead of the sampler: 5 turns of 25 tokens with 40-token observations vs one
 turn of 125 tokens, same batch, same random model as bench/sampler.py.
 
-Runs rollout's engine (the code path rollout() uses: decode turn, parking, cache merge, one
-ragged extend forward for all observations) with a stub environment that hands back 40 fixed
-token ids after each of the first 4 turns, so the ratio measures the sampler, not SQLite.
+Runs the sampler's engine (engine.py, the code path rollout() uses: a turn ends, the row keeps its
+KV blocks, its observation is prefilled beside the others' decode) with a stub environment that
+hands back 40 fixed token ids after each of the first 4 turns, so the ratio measures the sampler,
+not SQLite.
 Median over pairs of (multi-turn time / single-turn time), torch threads 2. Also printed: the
 ratio of matmul FLOPs (the 160 observation tokens per row go through the model too, so the
 compute alone is ~2x here; the ratio can only stay low where decode is overhead-bound).
 Also printed, as a diagnostic of the engine itself: the multi-turn time over one turn of 125
 tokens whose prompt already holds the 160 observation tokens (the same tokens through the same
 model, but every decode step attends over the longer context). Near or below 1 means turns
-(parking, cache merges, ragged extends) cost nothing beyond their tokens. And a floor: the
+(pausing, observation prefills) cost nothing beyond their tokens. And a floor: the
 single-turn time plus only the forwards that feed the observations into the cache, timed in the
 same pairs; no multi-turn sampler built on this model's forward can beat it by more than the
 (turns - 1) decode steps the engine folds into those forwards (~3% of the single-turn time).
@@ -29,38 +30,49 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tiny  # noqa: E402
 from config import SamplingConfig  # noqa: E402
-from model import KVCache, Transformer  # noqa: E402
-from rollout import Trajectory, _engine  # noqa: E402
+from engine import Engine  # noqa: E402
+from model import PagedBatch, PagedKVCache, Transformer  # noqa: E402
 from sampler import SHAPES  # noqa: E402  (bench/sampler.py: the script's folder is on sys.path)
 from sampling import StopChecker, row_key  # noqa: E402
+from scheduler import Sequence  # noqa: E402
 
 SHAPE = SHAPES["bench6m"]
 
 
 def run(model, prompts, turns, per_turn, obs):
-    cfg = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=per_turn, max_context=4096)
-    trajs = [Trajectory(list(p), list(p), [0] * len(p), [0.0] * len(p), index=i) for i, p in enumerate(prompts)]
-
-    def end_turn(rows):  # stub env: an observation after each turn but the last
-        return [obs if r.t.num_turns < turns else None for r in rows]
-
-    stop = StopChecker(None, [], [])
-    _engine(model, trajs, [row_key(0, i) for i in range(len(trajs))], cfg, stop, False, 4096,
-            end_turn, {"length"}, 4096)
     n = len(prompts[0]) + turns * per_turn + (turns - 1) * len(obs)
-    assert all(len(t.ids) == n and sum(t.loss_mask) == turns * per_turn for t in trajs)
+    cfg = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=per_turn, max_context=4096)
+    seqs = [Sequence(list(p), key=row_key(0, i), index=i) for i, p in enumerate(prompts)]
+    with Engine(model, cfg, StopChecker(None, [], []), worst_case=[n] * len(seqs)) as engine:
+        engine.add(seqs)
+        while engine.busy():
+            ended = engine.step()
+            for s in ended:  # stub env: an observation after each turn but the last
+                if s.num_turns == turns:
+                    engine.finish(s)
+                    continue
+                s.ids += obs
+                s.loss_mask += [0] * len(obs)
+                s.logprobs += [0.0] * len(obs)
+            engine.add([s for s in ended if s.status == "paused"])
+    assert all(len(s.ids) == n and sum(s.loss_mask) == turns * per_turn for s in seqs)
 
 
 @torch.no_grad()
-def observations_only(model, B, obs, turns=5, per_turn=25, prompt=64):
+def observations_only(model, B, obs, turns=5, per_turn=25, prompt=64, block_size=16):
     """Only the forwards that push the observations into the cache, as the engine runs them (the
-    last sampled token + the observation, one forward per turn boundary, at the cache length that
-    boundary has). Any multi-turn sampler pays at least single-turn time + this."""
-    cache = KVCache.for_model(model, B, prompt + turns * per_turn + (turns - 1) * len(obs))
-    x = torch.tensor([[0] + obs] * B)
+    observation of every row in one forward per turn boundary, at the cache length that boundary
+    has). Any multi-turn sampler pays at least single-turn time + this."""
+    per_row = -(-(prompt + turns * per_turn + (turns - 1) * len(obs)) // block_size)
+    cache = PagedKVCache.for_model(model, B * per_row, block_size, model.embed_tokens.weight.dtype)
+    tables = torch.arange(B * per_row).view(B, per_row)  # row b's blocks, in order
+    x = torch.tensor([obs] * B)
     for k in range(1, turns):
-        cache.lengths = torch.full((B,), prompt + k * per_turn + (k - 1) * len(obs) - 1)
-        model(x, cache=cache, logits_at=torch.full((B,), len(obs)))
+        start = prompt + k * per_turn + (k - 1) * len(obs)
+        positions = torch.arange(start, start + len(obs)).expand(B, -1)
+        slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
+        table = tables[:, :-(-(start + len(obs)) // block_size)]
+        model(x, positions=positions, cache=PagedBatch(cache, slots, table), logits_at=torch.full((B,), len(obs) - 1))
 
 
 def main():

@@ -5,7 +5,7 @@ EOS ignored, batch 16 and 64, torch threads 2. Each pair runs both back to back 
 the ratio printed is the median over pairs of (HF time / our time).
 
     .venv/bin/python bench/sampler.py [--pairs 3] [--batches 16,64]
-    python bench/sampler.py --device cuda --shape qwen2.5-0.5b --batches 64    # GPU, bf16
+    python bench/sampler.py --device cuda --shape qwen2.5-0.5b --batches 64 [--cuda-graphs]   # GPU, bf16
 
 With --device cuda (or --hbm-gbps) it also prints our decode throughput as a fraction of the
 memory-bandwidth roofline: each decode step must read every weight once plus each row's K/V, so
@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tiny  # noqa: E402
 from config import SamplingConfig  # noqa: E402
-from model import KVCache, Transformer  # noqa: E402
+from model import Transformer  # noqa: E402
 from rollout import generate  # noqa: E402
 
 SHAPES = {
@@ -60,10 +60,10 @@ def kernels_only(model, prompts: torch.Tensor, new: int) -> None:
     decode steps that run only each layer's GEMMs (qkv, o, gate-up, down), its attention over the
     real cache length, and the LM head. No norms, RoPE, residuals, cache writes or sampling."""
     B, P = prompts.shape
-    cache = KVCache.for_model(model, B, P + new)
-    model(prompts, cache=cache, logits_at=torch.full((B,), P - 1))  # the real prefill
+    model(prompts, logits_at=torch.full((B,), P - 1, device=prompts.device))  # the prefill's compute
     a, w = model.config, model.embed_tokens.weight
     H, Hk, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    ck = torch.zeros(a.num_hidden_layers, B, Hk, P + new, D, dtype=w.dtype, device=w.device)  # contiguous K/V
     x = torch.randn(B, 1, a.hidden_size, dtype=w.dtype, device=w.device)
     q = torch.randn(B, H, 1, D, dtype=w.dtype, device=w.device)
     for step in range(new):
@@ -72,7 +72,7 @@ def kernels_only(model, prompts: torch.Tensor, new: int) -> None:
         for i, layer in enumerate(model.layers):
             at = layer.self_attn
             at.qkv_proj(x)
-            y = F.scaled_dot_product_attention(q, cache.k[i][:, :, :S], cache.v[i][:, :, :S], attn_mask=mask,
+            y = F.scaled_dot_product_attention(q, ck[i][:, :, :S], ck[i][:, :, :S], attn_mask=mask,
                                                enable_gqa=True)
             at.o_proj(y.transpose(1, 2).reshape(B, 1, H * D))
             layer.mlp.down_proj(layer.mlp.gate_up_proj(x)[..., :a.intermediate_size])
@@ -89,6 +89,7 @@ def main():
     ap.add_argument("--shape", default="bench6m", choices=sorted(SHAPES))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="", help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--cuda-graphs", action="store_true", help="sampling.cuda_graphs (CUDA only)")
     ap.add_argument("--hbm-gbps", type=float, default=0.0, help="memory bandwidth for the roofline "
                     "(default: the spec sheet of a known CUDA device; none on CPU)")
     a = ap.parse_args()
@@ -104,8 +105,10 @@ def main():
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     n_params = sum(p.numel() for p in ours.parameters())
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu, threads {a.threads}"
-    print(f"model {a.shape} {shape} = {n_params / 1e6:.1f}M params, {dtype}; prompt {a.prompt}, new {a.new}; {where}")
-    cfg = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=a.new, max_context=4096)
+    print(f"model {a.shape} {shape} = {n_params / 1e6:.1f}M params, {dtype}; prompt {a.prompt}, new {a.new}; {where}"
+          f"{'; CUDA graphs' if a.cuda_graphs else ''}")
+    cfg = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=a.new, max_context=4096,
+                         cuda_graphs=a.cuda_graphs)
     g = torch.Generator().manual_seed(0)
     speedups = {}
     for B in [int(x) for x in a.batches.split(",")]:

@@ -1,7 +1,7 @@
 """model.py against transformers as the reference.
 
 Random tiny models of each family are built by transformers itself (all with GQA), saved, and
-loaded with our Transformer: logits, save round trip, KV-cache decoding, logprobs, activation
+loaded with our Transformer: logits, save round trip, paged KV-cache decoding, logprobs, activation
 checkpointing and config errors. Run: .venv/bin/pytest tests/test_model.py -q
 """
 import json
@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from model import KVCache, Transformer
+from block_manager import BlockManager
+from model import PagedBatch, PagedKVCache, Transformer
 
 V = 97
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -151,29 +152,83 @@ def test_save_pretrained_sharded(models, tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# KV cache
+# paged KV cache
+
+
+class Paged:
+    """A paged cache driven by hand: per-row block tables from a BlockManager whose free blocks
+    are shuffled (rows' blocks interleave in the pool), chunks fed right padded."""
+
+    def __init__(self, m, rows, block_size=4, n_blocks=64, dtype=torch.float32, seed=0):
+        self.m, self.bs = m, block_size
+        self.blocks = BlockManager(n_blocks, block_size)
+        order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.blocks.free = [self.blocks.free[i] for i in order]
+        self.cache = PagedKVCache.for_model(m, n_blocks, block_size, dtype)
+        self.tables, self.cached = [[] for _ in range(rows)], [0] * rows
+
+    def feed(self, x, lens=None):
+        """x (B, T) right padded; lens[b] real tokens of row b (0: the row is untouched) -> (B, T, V)."""
+        B, T = x.shape
+        lens = [T] * B if lens is None else lens
+        c = self.cache
+        pos = torch.tensor([[self.cached[b] + t for t in range(T)] for b in range(B)])
+        slots = torch.full((B, T), c.scratch * self.bs)
+        for b in range(B):
+            self.blocks.grow(self.tables[b], self.cached[b], self.cached[b] + lens[b])
+            for t in range(lens[b]):
+                p = self.cached[b] + t
+                slots[b, t] = self.tables[b][p // self.bs] * self.bs + p % self.bs
+        copies = self.blocks.pending_copies()
+        if copies:
+            c.copy_blocks(*torch.tensor(copies).unbind(1))
+        width = max(1, max(map(len, self.tables)))
+        table = torch.tensor([t + [c.scratch] * (width - len(t)) for t in self.tables])
+        out = self.m(x, positions=pos, cache=PagedBatch(c, slots, table))
+        self.cached = [n + k for n, k in zip(self.cached, lens)]
+        return out
 
 
 @pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "llama3_scaled"])
 def test_prefill_then_decode_equals_full_forward(models, name):
     m = Transformer.from_pretrained(models[name][1])
     x = ids_for(T=30)
-    cache = KVCache.for_model(m, batch_size=3, max_len=30)
+    cache = Paged(m, rows=3)
     with torch.no_grad():
         full = m(x)
-        steps = [m(x[:, :11], cache=cache)] + [m(x[:, t:t + 1], cache=cache) for t in range(11, 30)]
+        steps = [cache.feed(x[:, :11])] + [cache.feed(x[:, t:t + 1]) for t in range(11, 30)]
     assert maxdiff(torch.cat(steps, 1), full) <= 1e-4
-    assert cache.lengths.tolist() == [30, 30, 30]
+    assert cache.cached == [30, 30, 30]
+
+
+def test_fresh_prefill_path_equals_full_forward(models):
+    """No cached tokens in any row (block_tables None): causal attention within the right-padded
+    chunk, K/V written for the next steps."""
+    m = Transformer.from_pretrained(models["qwen2_tied"][1])
+    x = ids_for(T=13)
+    cache = Paged(m, rows=3)
+    lens = [13, 7, 10]
+    slots = torch.full((3, 13), cache.cache.scratch * cache.bs)
+    for b in range(3):
+        cache.blocks.grow(cache.tables[b], 0, lens[b])
+        slots[b, :lens[b]] = torch.tensor([cache.tables[b][p // 4] * 4 + p % 4 for p in range(lens[b])])
+    with torch.no_grad():
+        out = m(x, positions=torch.arange(13)[None].expand(3, -1), cache=PagedBatch(cache.cache, slots, None))
+        cache.cached = lens
+        nxt = cache.feed(x[:, :1])[:, 0]
+        for b in range(3):
+            ref = m(torch.cat([x[b:b + 1, :lens[b]], x[b:b + 1, :1]], 1))[0]
+            assert maxdiff(out[b, :lens[b]], ref[:lens[b]]) <= 1e-4 and maxdiff(nxt[b], ref[-1]) <= 1e-4
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen2_tied"])  # RoPE on q, k apart (qk-norm) / fused
 def test_ragged_chunks_equal_per_row_forward(models, name):
-    """Right-padded chunks at different cache positions; a row with chunk_lens 0 is untouched."""
+    """Right-padded chunks at different cache positions; a row with chunk length 0 is untouched."""
     m = Transformer.from_pretrained(models[name][1])
     x = ids_for(B=3, T=40, seed=3)
     chunks = [[12, 5, 0], [3, 9, 7], [1, 0, 1], [4, 8, 2]]  # tokens appended per row per call
     total = [sum(c[b] for c in chunks) for b in range(3)]
-    cache = KVCache.for_model(m, batch_size=3, max_len=max(total))  # padding runs past max_len
+    cache = Paged(m, rows=3)
     got = [[] for _ in range(3)]
     pos = [0, 0, 0]
     with torch.no_grad():
@@ -182,44 +237,53 @@ def test_ragged_chunks_equal_per_row_forward(models, name):
             inp = torch.zeros(3, T, dtype=torch.long)  # pad id 0: padded slots hold garbage
             for b in range(3):
                 inp[b, :lens[b]] = x[b, pos[b]:pos[b] + lens[b]]
-            before = cache.k.clone()
-            out = m(inp, cache=cache, chunk_lens=torch.tensor(lens))
+            before = cache.cache.k.clone()
+            out = cache.feed(inp, lens)
             assert out.shape == (3, T, V)
             for b in range(3):
                 got[b].append(out[b, :lens[b]])
                 pos[b] += lens[b]
-            assert cache.lengths.tolist() == pos
+            assert cache.cached == pos
             for b in range(3):
-                if lens[b] == 0:  # untouched row: its cache is byte-identical
-                    assert torch.equal(cache.k[:, b], before[:, b])
+                if lens[b] == 0:  # untouched row: its blocks are byte-identical
+                    assert torch.equal(cache.cache.k[:, cache.tables[b]], before[:, cache.tables[b]])
         for b in range(3):
             ref = m(x[b:b + 1, :total[b]])[0]
             assert maxdiff(torch.cat(got[b]), ref) <= 1e-4
 
 
-def test_select_repeats_prefix_for_group_samples(models):
+def test_shared_prompt_blocks_for_group_samples(models):
+    """4 samples share one prefilled prompt's blocks (reference counts); each copies the partly
+    filled last block before writing into it, so they decode apart and the prompt is unchanged."""
     m = Transformer.from_pretrained(models["llama"][1])
     prompt = ids_for(B=1, T=9, seed=4)
     cont = ids_for(B=4, T=6, seed=5)  # 4 different continuations of one prompt
-    cache = KVCache.for_model(m, batch_size=1, max_len=20)
+    cache = Paged(m, rows=1)
     with torch.no_grad():
-        m(prompt, cache=cache)
-        group = cache.select(torch.tensor([0, 0, 0, 0]))
-        assert group.k.shape[1] == 4 and group.lengths.tolist() == [9] * 4
-        out = torch.cat([m(cont[:, t:t + 1], cache=group) for t in range(6)], 1)
+        cache.feed(prompt)
+        source = cache.tables[0]
+        shared = list(source)
+        before = cache.cache.k[:, shared].clone()
+        cache.tables = [cache.blocks.share(source) for _ in range(4)]
+        cache.blocks.release(source)  # the source row leaves; its blocks stay held by the 4
+        cache.cached = [9] * 4
+        assert cache.blocks.refs[shared[0]] == 4 and cache.blocks.num_used == 3
+        out = torch.cat([cache.feed(cont[:, t:t + 1]) for t in range(6)], 1)
         full = m(torch.cat([prompt.expand(4, -1), cont], 1))[:, 9:]
     assert maxdiff(out, full) <= 1e-4
-    assert cache.lengths.tolist() == [9]  # the source cache is unchanged
+    assert [t[:2] for t in cache.tables] == [shared[:2]] * 4  # full prompt blocks still shared
+    assert len({t[2] for t in cache.tables}) == 4  # the partly filled block: one copy each (last one in place)
+    assert torch.equal(cache.cache.k[:, shared[:2]], before[:, :2])
 
 
 def test_cache_in_other_dtype_than_compute(models):
     """FSDP2 mixed precision: fp32 params, bf16 compute; a cache of another dtype still works."""
     m = Transformer.from_pretrained(models["qwen2_tied"][1])
     x = ids_for(T=12)
-    cache = KVCache.for_model(m, 3, 12, dtype=torch.bfloat16)
-    assert cache.k.dtype == torch.bfloat16
+    cache = Paged(m, rows=3, dtype=torch.bfloat16)
+    assert cache.cache.k.dtype == torch.bfloat16
     with torch.no_grad():
-        out = torch.cat([m(x[:, :5], cache=cache)] + [m(x[:, t:t + 1], cache=cache) for t in range(5, 12)], 1)
+        out = torch.cat([cache.feed(x[:, :5])] + [cache.feed(x[:, t:t + 1]) for t in range(5, 12)], 1)
         assert out.dtype == torch.float32 and maxdiff(out, m(x)) < 0.05
 
 

@@ -4,19 +4,19 @@
 """
 import sqlite3
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn as nn
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 import env
 import prompts
 import tiny
+from conftest import ROOT
 from config import DataConfig, EnvConfig, SamplingConfig
-from model import KVCache, Transformer
-from rollout import _feed, conversation_wrapper, generate, rollout
+from block_manager import BlockManager
+from model import PagedBatch, PagedKVCache, Transformer
+from rollout import conversation_wrapper, generate, observation_ids, rollout
 from sampling import StopChecker, mix_py, row_key, sample_next, uniforms
 
 torch.set_num_threads(2)
@@ -112,12 +112,12 @@ def test_stop_string_split_across_tokens(tok):
     assert stop.check(pieces + [tok.convert_tokens_to_ids("<|im_end|>")]) == "eos"
 
 
-def test_generate_stops_on_split_stop_string(tok):
+def test_generate_stops_on_split_stop_string(tok, model):
     """End to end: a scripted model writes </sql> one character per token; generation stops
     right after the '>' and keeps the stop string."""
     script = tok.encode("a b") + [tok.encode(c)[0] for c in "</sql>"] + tok.encode(" more text")
-    m = ScriptedModel(len(tok), [script])
-    out = generate(m, [tok.encode("a question?")], scfg(), STOPS, tok, seed=0, greedy=True)[0]
+    out = generate(model, [tok.encode("a question?")], scfg(), STOPS, tok, seed=0, greedy=True,
+                   logits_hook=Scripted([script]))[0]
     assert new_tokens(out) == script[:-len(tok.encode(" more text"))]
     assert out.stop_reason == "stop" and out.text.endswith("</sql>")
 
@@ -151,22 +151,46 @@ def test_ragged_batch_equals_each_prompt_alone(tok, model):
     assert new_tokens(mixed[0]) != new_tokens(batch[0])
 
 
-def test_extend_then_decode_equals_full_forward(tok, model):
+def test_paged_extend_then_decode_equals_full_forward(tok, model):
+    """Prompts, then ragged observation chunks (one row gets none), then a decode step, through
+    a paged cache whose blocks are handed out shuffled (so rows' blocks interleave), equal a full
+    forward of each row's whole sequence."""
     ps = prompts_of(tok)
     obs = [tok.encode(" <observation>3</observation>"), [], tok.encode(" ok"), tok.encode("\n\nlonger one here")]
-    cache = KVCache.for_model(model, len(ps), 128)
+    bs = 4
+    blocks = BlockManager(64, bs)
+    blocks.free = [blocks.free[i] for i in torch.randperm(64, generator=torch.Generator().manual_seed(0))]
+    cache = PagedKVCache.for_model(model, 64, bs, torch.float32)
+    tables, cached = [[] for _ in ps], [0] * len(ps)
+
+    def feed(chunks):  # right padded, padding written to the scratch block
+        T = max(len(c) for c in chunks)
+        ids, pos, slots = [], [], []
+        for b, c in enumerate(chunks):
+            blocks.grow(tables[b], cached[b], cached[b] + len(c))
+            ids.append(c + [0] * (T - len(c)))
+            pos.append(list(range(cached[b], cached[b] + T)))
+            slots.append([tables[b][p // bs] * bs + p % bs for p in range(cached[b], cached[b] + len(c))]
+                         + [cache.scratch * bs] * (T - len(c)))
+        width = max(map(len, tables))
+        table = torch.tensor([t + [cache.scratch] * (width - len(t)) for t in tables])
+        out = model(torch.tensor(ids), positions=torch.tensor(pos), cache=PagedBatch(cache, torch.tensor(slots), table))
+        for b, c in enumerate(chunks):
+            cached[b] += len(c)
+        return out  # (B, T, V)
+
     with torch.no_grad():
-        _feed(model, cache, ps)
-        last = _feed(model, cache, obs)  # rows 1 gets nothing (chunk_len 0)
-        nxt = torch.tensor([[5], [6], [7], [8]])
-        dec = model(nxt, cache=cache)[:, -1]  # (B, V)
+        feed(ps)
+        last = feed(obs)
+        dec = feed([[5 + b] for b in range(len(ps))])[:, -1]  # (B, V)
         for b in range(len(ps)):
             full = ps[b] + obs[b]
             ref = model(torch.tensor([full + [5 + b]]))[0]  # (T, V) no cache
             if obs[b]:  # rows fed nothing return no meaningful logits
-                assert torch.allclose(last[b], ref[len(full) - 1], atol=1e-4)
+                assert torch.allclose(last[b, len(obs[b]) - 1], ref[len(full) - 1], atol=1e-4)
             assert torch.allclose(dec[b], ref[len(full)], atol=1e-4)
-    assert cache.lengths.tolist() == [len(p) + len(o) + 1 for p, o in zip(ps, obs)]
+    assert cached == [len(p) + len(o) + 1 for p, o in zip(ps, obs)]
+    assert len({b for t in tables for b in t}) == sum(map(len, tables))  # no block shared by two rows
 
 
 def test_logprobs_match_full_forward_and_mask_is_sampled_tokens(tok, model):
@@ -182,7 +206,7 @@ def test_logprobs_match_full_forward_and_mask_is_sampled_tokens(tok, model):
         assert torch.allclose(torch.tensor(t.logprobs[n:]), lp[0, n - 1:], atol=1e-4)
 
 
-def test_seeded_sampling_reproduces_and_waves_compaction_change_nothing(tok, model):
+def test_seeded_sampling_reproduces_and_batching_changes_nothing(tok, model):
     ps = prompts_of(tok) * 2  # repeats share one prefill
     base = generate(model, ps, scfg(temperature=0.9, top_p=0.9), [], tok, seed=7, eos=[])
     again = generate(model, ps, scfg(temperature=0.9, top_p=0.9), [], tok, seed=7, eos=[])
@@ -190,10 +214,12 @@ def test_seeded_sampling_reproduces_and_waves_compaction_change_nothing(tok, mod
     assert [t.ids for t in base] == [t.ids for t in again]
     assert [t.ids for t in base] != [t.ids for t in other]
     assert base[0].ids != base[4].ids  # same prompt, different samples
-    # eos + stop strings make rows end at different steps -> compaction; tiny budget -> waves
+    # eos + stop strings end rows at different steps; a tight KV budget evicts and recomputes rows;
+    # max_rows keeps rows waiting; small blocks split prompts over many blocks
     kw = dict(seed=3)
-    ref = generate(model, ps, scfg(compact_frac=9.0), STOPS, tok, **kw)
-    for c in (scfg(compact_frac=0.0), scfg(compact_frac=0.0, kv_budget_tokens=40), scfg(kv_budget_tokens=100)):
+    ref = generate(model, ps, scfg(), STOPS, tok, **kw)
+    longest = max(map(len, ps)) + 24
+    for c in (scfg(kv_budget_tokens=longest), scfg(max_rows=3), scfg(block_size=1), scfg(block_size=64)):
         got = generate(model, ps, c, STOPS, tok, **kw)
         assert [t.ids for t in got] == [t.ids for t in ref]
         for a, b in zip(got, ref):
@@ -205,33 +231,19 @@ def test_seeded_sampling_reproduces_and_waves_compaction_change_nothing(tok, mod
 # multi-turn against a real SQLite database
 
 
-class ScriptedModel(nn.Module):
-    """Honours the forward/KVCache contract and writes scripts[k] in turn k (greedy-certain
-    logits). A forward with a multi-token chunk for a row (prefill, or last token +
-    observation) starts a new turn; the turn index and start are kept in the row's cache, so
-    they survive select/compaction/merging like real K/V."""
+class Scripted:
+    """A logits hook that makes any model write scripts[k] in turn k (the last script repeats):
+    every other token's logit is -inf, so the scripted token is sampled with logprob 0."""
 
-    def __init__(self, vocab, scripts):
-        super().__init__()
-        self.config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=2, vocab_size=vocab)
-        self.embed_tokens = nn.Embedding(vocab, 2)
+    def __init__(self, scripts):
         self.scripts = scripts
 
-    def forward(self, input_ids, cache=None, chunk_lens=None, logits_at=None):
-        B, T = input_ids.shape
-        cl = torch.full((B,), T) if chunk_lens is None else torch.as_tensor(chunk_lens)
-        cache.lengths = cache.lengths + cl
-        logits = torch.zeros(B, T, self.config.vocab_size)
-        meta = cache.v[0, :, 0, 0]  # (B, 2): turns started, turn start position
-        for b in range(B):
-            if cl[b] > 1:
-                meta[b, 0] += 1
-                meta[b, 1] = cache.lengths[b]
-            if cl[b] > 0:
-                s = self.scripts[min(int(meta[b, 0]) - 1, len(self.scripts) - 1)]
-                j = int(cache.lengths[b] - meta[b, 1])
-                logits[b, int(cl[b]) - 1, s[min(j, len(s) - 1)]] = 30.0
-        return logits if logits_at is None else logits[torch.arange(B), logits_at]
+    def __call__(self, logits, rows):
+        out = torch.full_like(logits, float("-inf"))
+        for b, r in enumerate(rows):
+            s = self.scripts[min(r.num_turns, len(self.scripts)) - 1]
+            out[b, s[min(len(r.ids) - r.turn_start, len(s) - 1)]] = 0.0
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -255,13 +267,12 @@ TURN2 = "<think>three</think>\n<solution>SELECT count(*) FROM pet</solution>"
 
 
 @pytest.mark.parametrize("conversation", ["single", "conversation"])
-def test_multiturn_tool_call_then_solution(tok, db, conversation):
+def test_multiturn_tool_call_then_solution(tok, db, model, conversation):
     scripts = [tok.encode(TURN1) + [0], tok.encode(TURN2) + [0]]  # [0]: never reached (stops first)
-    m = ScriptedModel(len(tok), scripts)
     ecfg = EnvConfig(conversation=conversation, max_turns=4, workers=1)
     ex = example(db)
-    trajs = rollout(m, tok, [ex], ecfg, scfg(max_new_tokens=64, max_context=4096), DataConfig(), str(db),
-                    n=2, seed=0, greedy=True)
+    trajs = rollout(model, tok, [ex], ecfg, scfg(max_new_tokens=64, max_context=4096), DataConfig(), str(db),
+                    n=2, seed=0, greedy=True, logits_hook=Scripted(scripts))
     assert len(trajs) == 2
     msgs = prompts.build_messages(ex, str(db), DataConfig())
     prompt = tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
@@ -289,10 +300,9 @@ def test_multiturn_tool_call_then_solution(tok, db, conversation):
 def test_multiturn_max_turns_and_real_model_logprobs(tok, db, model):
     """Only tool calls -> max_turns; and a real model whose turns are cut by max_new_tokens
     (invalid -> the env's invalid observation) keeps logprobs equal to a full forward."""
-    m = ScriptedModel(len(tok), [tok.encode(TURN1) + [0]])
     ecfg = EnvConfig(max_turns=3, workers=1)
-    t = rollout(m, tok, [example(db)], ecfg, scfg(max_new_tokens=64, max_context=4096), DataConfig(),
-                str(db), greedy=True)[0]
+    t = rollout(model, tok, [example(db)], ecfg, scfg(max_new_tokens=64, max_context=4096), DataConfig(),
+                str(db), greedy=True, logits_hook=Scripted([tok.encode(TURN1) + [0]]))[0]
     assert (t.num_turns, t.num_tool_calls, t.finished, t.stop_reason) == (3, 3, False, "max_turns")
     cfg = scfg(temperature=0.8, max_new_tokens=6, max_context=4096)
     trajs = rollout(model, tok, [example(db)], ecfg, cfg, DataConfig(), str(db), n=3, seed=0)
@@ -311,25 +321,80 @@ def test_conversation_wrapper_renders_suffix(tok):
     assert (close, before, after) == ("<|im_end|>", "\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.mark.parametrize("conversation", ["single", "conversation"])
-def test_eos_turn(tok, db, conversation):
-    """A turn that ends with a sampled <|im_end|> and no tags: single format ends the episode
-    ("eos"); conversation format treats it as an invalid turn, does not add a second <|im_end|>,
-    and the history still equals the chat template's rendering."""
+@pytest.mark.parametrize("conversation,eos_steps_env", [("single", False), ("single", True), ("conversation", False)])
+def test_eos_turn(tok, db, model, conversation, eos_steps_env):
+    """A turn that ends with a sampled <|im_end|> and no tags: the single format ends the episode
+    ("eos"), unless env.eos_steps_env (SkyRL's generator): then the env's invalid-action
+    observation follows the EOS and the episode goes on. The conversation format treats it as an
+    invalid turn, does not add a second <|im_end|>, and the history still equals the chat
+    template's rendering."""
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     talk = "<think>no tags here</think>"
-    m = ScriptedModel(len(tok), [tok.encode(talk) + [eos], tok.encode(TURN2) + [0]])
-    ecfg = EnvConfig(conversation=conversation, max_turns=4, workers=1)
+    hook = Scripted([tok.encode(talk) + [eos], tok.encode(TURN2) + [0]])
+    ecfg = EnvConfig(conversation=conversation, max_turns=4, workers=1, eos_steps_env=eos_steps_env)
     ex = example(db)
-    t = rollout(m, tok, [ex], ecfg, scfg(max_new_tokens=64, max_context=4096), DataConfig(), str(db), greedy=True)[0]
+    t = rollout(model, tok, [ex], ecfg, scfg(max_new_tokens=64, max_context=4096), DataConfig(), str(db),
+                greedy=True, logits_hook=hook)[0]
     a0, a1 = t.turn_spans[0]
     assert t.ids[a1 - 1] == eos and t.loss_mask[a1 - 1] == 1
-    if conversation == "single":
+    if conversation == "single" and not eos_steps_env:
         assert (t.num_turns, t.stop_reason, t.finished, len(t.ids)) == (1, "eos", False, a1)
         return
     assert (t.num_turns, t.stop_reason, t.finished, t.num_tool_calls) == (2, "solution", True, 0)
     obs = env.step_batch([str(db / "pets.sqlite")], [talk], [3], ecfg)[0].observation
+    assert ecfg.invalid_text in obs
+    if conversation == "single":  # the observation text right after the EOS, then the next turn
+        assert t.ids[a1:t.turn_spans[1][0]] == tok.encode(obs)
+        assert t.text == tok.decode(t.ids[a0:]) and t.text.count("<|im_end|>") == 1
+        return
     msgs = prompts.build_messages(ex, str(db), DataConfig())
     full = msgs + [{"role": "assistant", "content": talk}, {"role": "user", "content": obs.strip()}]
     want = tok.apply_chat_template(full, tokenize=False, add_generation_prompt=True)
     assert t.ids[:t.turn_spans[1][0]] == tok.encode(want)
+
+
+def test_skyrl_configs_step_the_env_on_eos():
+    from config import load_config
+    for name in ("skyrl_sql_7b.yaml", "skyrl_sql_7b_2node.yaml", "skyrl_sql_7b_lora.yaml"):
+        assert load_config([str(ROOT / "configs" / name)]).env.eos_steps_env, name
+    assert not EnvConfig().eos_steps_env
+
+
+def test_actions_protocol_episode_limit_is_step_budget(tok, db, model):
+    """In the actions protocol an episode has env.step_budget generations (sql_env), not max_turns."""
+    act = tok.encode("<action>DESCRIBE pet</action>") + [0]
+    ecfg = EnvConfig(protocol="actions", max_turns=2, step_budget=4, workers=1)
+    t = rollout(model, tok, [example(db)], ecfg, scfg(max_new_tokens=64, max_context=4096), DataConfig(), str(db),
+                greedy=True, logits_hook=Scripted([act]))[0]
+    assert (t.num_turns, t.num_tool_calls, t.stop_reason) == (4, 4, "max_turns")
+    assert [s["kind"] for s in t.steps] == ["describe"] * 4
+
+
+@pytest.mark.parametrize("conversation", ["single", "conversation"])
+def test_sft_observations_are_the_rollouts(tok, conversation):
+    """The gold trajectories (sft.py) wrap observations with the rollout's own function."""
+    import sft
+    obs = EnvConfig().obs_template.format(result="n\n3", turns_left=2)
+    assert sft.observation_ids(tok, obs, conversation) == observation_ids(tok, obs, conversation)
+    if conversation == "conversation":  # after a sampled <|im_end|>, the wrapper does not close again
+        eos = tok.convert_tokens_to_ids("<|im_end|>")
+        assert observation_ids(tok, obs, conversation, last_id=eos) == observation_ids(tok, obs, conversation)[1:]
+
+
+def test_kv_cache_takes_the_dtype_passed(tok, model, monkeypatch):
+    """The cache is in the compute dtype the caller passes (bf16 under mixed precision), not the
+    parameters' dtype; attention runs in it, and greedy tokens still match an fp32 cache here."""
+    import rollout as rollout_module
+    made = []
+
+    class Recording(rollout_module.Engine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self.cache.k.dtype)
+
+    monkeypatch.setattr(rollout_module, "Engine", Recording)
+    ps = prompts_of(tok)[:2]
+    ref = generate(model, ps, scfg(max_new_tokens=6), [], tok, seed=0, greedy=True, eos=[])
+    got = generate(model, ps, scfg(max_new_tokens=6), [], tok, seed=0, greedy=True, eos=[], dtype=torch.bfloat16)
+    assert made == [torch.float32, torch.bfloat16]
+    assert [t.ids[:len(t.prompt_ids) + 2] for t in got] == [t.ids[:len(t.prompt_ids) + 2] for t in ref]

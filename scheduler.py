@@ -1,0 +1,178 @@
+"""Continuous batching: which sequences the next forward runs, admitted while KV blocks allow.
+
+A Sequence is one token stream being sampled (a trajectory, turn after turn). Its state:
+
+    waiting  -- has tokens not yet in the KV cache (a prompt, an observation after a turn, or all
+                of it after an eviction); queued for a prefill forward
+    running  -- in the decode batch: one token per step
+    paused   -- its turn ended; keeps its blocks until the caller continues it (add) or ends it
+    (done)   -- blocks released
+
+Each call to schedule() returns the next forward: a prefill of queued sequences (as many as the
+free blocks and the token budget of one forward allow; only the first may be cut into chunks),
+or else one decode step of every running sequence. New prompts are admitted whenever free blocks
+allow (no waves, no worst-case reservation). When a decode step needs a block and none is free,
+the most recently admitted sequence is evicted: its blocks are freed and it is queued to be
+recomputed from its ids (tokens and randomness are per position, so nothing changes).
+
+Identical new prompts queued together (the G samples of a prompt) form one group: the first is
+prefilled, the others share its blocks and its last logits (block_manager.py copies the partly
+filled last block on first write).
+
+Tests: .venv/bin/pytest tests/test_engine.py
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from block_manager import BlockManager
+
+
+@dataclass(eq=False)
+class Sequence:
+    ids: list[int]  # prompt + every turn so far (sampled, observation and template tokens)
+    key: int  # counter-based sampling key (sampling.row_key)
+    index: int = 0  # the caller's id for it (trajectory index)
+    loss_mask: list[int] = field(default_factory=list)  # aligned to ids: 1 on sampled tokens
+    logprobs: list[float] = field(default_factory=list)  # aligned to ids: 0.0 where mask is 0
+    turn_start: int = 0  # where the current turn's sampled tokens begin in ids
+    num_turns: int = 0
+    budget: int = 0  # tokens this turn may sample (max_new_tokens, or less near max_context)
+    stop_reason: str = ""  # why the last turn ended: stop | eos | length | max_context
+    status: str = "new"  # new | waiting | running | paused | done
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens of ids whose K/V are in the cache
+    followers: list["Sequence"] = field(default_factory=list)  # same prompt: sampled from our prefill
+    epoch: int = 0  # times it joined the decode batch (a row that left and came back is a new row)
+
+    def __post_init__(self):
+        n = len(self.ids)
+        self.loss_mask = self.loss_mask or [0] * n
+        self.logprobs = self.logprobs or [0.0] * n
+
+
+@dataclass
+class Batch:
+    kind: str  # "prefill" | "decode"
+    seqs: list[Sequence]
+    chunks: list[int] = field(default_factory=list)  # prefill: tokens fed per sequence
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_rows: int = 0, prefill_tokens: int = 16384):
+        self.blocks = blocks
+        self.max_rows = max_rows  # most sequences decoding at once (0: as many as blocks allow)
+        self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (rows x longest)
+        self.returning: deque[list[Sequence]] = deque()  # evicted or continuing: go first
+        self.new: deque[list[Sequence]] = deque()  # new prompts, grouped by identical ids
+        self.running: list[Sequence] = []
+        self.holders: dict[Sequence, None] = {}  # every sequence holding blocks, oldest first
+        self.evictions = 0
+
+    def busy(self) -> bool:
+        return bool(self.running or self.returning or self.new)
+
+    # -------------------------------------------------------------------------
+    # state changes requested by the engine
+
+    def add(self, seqs: list[Sequence]) -> None:
+        """Queue sequences whose ids grew past what is cached (a new prompt or an observation)."""
+        groups: dict[tuple, list[Sequence]] = {}
+        for s in seqs:
+            assert s.status in ("new", "paused"), s.status
+            if s.status == "new":  # a fresh prompt: identical ones form a group
+                groups.setdefault(tuple(s.ids), []).append(s)
+            else:
+                self.returning.append([s])
+            s.status = "waiting"
+        self.new.extend(groups.values())
+
+    def pause(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.status = "paused"
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.status == "running":
+            self.running.remove(seq)
+        self.blocks.release(seq.block_table)
+        self.holders.pop(seq, None)
+        seq.num_cached, seq.status = 0, "done"
+
+    def evict(self, seq: Sequence) -> None:
+        """Free a sequence's blocks; it is recomputed from its ids when it next runs."""
+        self.blocks.release(seq.block_table)
+        self.holders.pop(seq, None)
+        seq.num_cached = 0
+        self.evictions += 1
+        if seq.status == "running":
+            self.running.remove(seq)
+            seq.status = "waiting"
+            self.returning.appendleft([seq])
+        # waiting: stays queued (now with all its ids pending); paused: recomputed when continued
+
+    # -------------------------------------------------------------------------
+    # the next forward
+
+    def schedule(self) -> Batch | None:
+        batch = self._prefill()
+        if batch.seqs:
+            return batch
+        # decode: each running sequence writes the K/V of its last sampled token
+        while self.running and self.blocks.num_free < sum(
+                self.blocks.needed(s.block_table, s.num_cached, s.num_cached + 1) for s in self.running):
+            self._evict_latest(keep=())
+        if not self.running:  # nothing to decode (or everything was evicted): prefill instead
+            batch = self._prefill()
+            return batch if batch.seqs else None
+        for s in self.running:
+            self.blocks.grow(s.block_table, s.num_cached, s.num_cached + 1)
+        return Batch("decode", list(self.running))
+
+    def _prefill(self) -> Batch:
+        batch = Batch("prefill", [])
+        longest = 0
+        while self.returning or self.new:
+            queue = self.returning if self.returning else self.new
+            group = queue[0]
+            lead = group[0]
+            pending = len(lead.ids) - lead.num_cached
+            chunk = pending if batch.seqs else min(pending, self.prefill_tokens)  # only the first is cut
+            if batch.seqs and (len(batch.seqs) + 1) * max(longest, chunk) > self.prefill_tokens:
+                break
+            if self.max_rows and len(self.running) + len(batch.seqs) + len(group) > self.max_rows:
+                if self.running or batch.seqs:
+                    break
+            need = self.blocks.needed(lead.block_table, lead.num_cached, lead.num_cached + chunk)
+            reserve = len(self.running)  # room for every running row to grow by a block
+            if need + reserve > self.blocks.num_free:
+                if self.running or batch.seqs:
+                    break  # wait: running rows end and free blocks
+                while need > self.blocks.num_free:  # nothing else can progress: evict a holder
+                    self._evict_latest(keep=(lead,))
+            self.blocks.grow(lead.block_table, lead.num_cached, lead.num_cached + chunk)
+            self.holders.setdefault(lead, None)  # ordered by first admission: the latest go first
+            batch.seqs.append(lead)
+            batch.chunks.append(chunk)
+            longest = max(longest, chunk)
+            if chunk < pending:
+                break  # the rest of this prompt goes in the next forward
+            queue.popleft()
+            lead.followers = group[1:]
+        return batch
+
+    def _evict_latest(self, keep: tuple) -> None:
+        """Evict the most recently admitted sequence holding blocks (not one of `keep`)."""
+        victim = next((s for s in reversed(self.holders) if s not in keep), None)
+        if victim is None or (victim in self.running and len(self.running) == 1 and len(self.holders) == 1):
+            raise RuntimeError(
+                f"the KV cache ({self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens) cannot hold "
+                f"one sequence: raise sampling.kv_budget_tokens (the longest needs up to max_context tokens)")
+        self.evict(victim)
+
+    def started(self, seqs: list[Sequence]) -> None:
+        """Prefilled sequences (and the followers forked from them) join the decode batch."""
+        for s in seqs:
+            s.status, s.epoch = "running", s.epoch + 1
+            self.running.append(s)
+            self.holders.setdefault(s, None)
