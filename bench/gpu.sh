@@ -42,7 +42,7 @@ $PY -c "import torch, transformers; print('torch', torch.__version__, 'transform
 
 # (1) tests: with xdist when present; distributed tests that need one GPU per rank skip themselves
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
-part tests 150 $PY -m pytest -q -p no:cacheprovider $XDIST tests
+part tests 140 $PY -m pytest -q -p no:cacheprovider $XDIST tests
 
 # (2) attention kernels
 part attention 150 $PY bench/attention_probe.py
@@ -52,7 +52,7 @@ part sampler 200 $PY bench/sampler.py --device cuda --shape qwen2.5-0.5b --batch
 
 # (4) rollout scale (paged KV engine vs worst-case reservation)
 if [ -f bench/rollout_scale.py ]; then
-    part rollout_scale 150 $PY bench/rollout_scale.py --device cuda --shape qwen2.5-0.5b
+    part rollout_scale 170 $PY bench/rollout_scale.py --device cuda --shape qwen2.5-0.5b
 fi
 
 # (5) the update step
@@ -61,11 +61,11 @@ part train_step 150 $PY bench/train_step.py --device cuda --shape qwen2.5-0.5b
 # (6) ten GRPO steps: configs/tiny.yaml's toy data and 1k-token BPE vocabulary with a Qwen2.5-0.5B
 # body (24 layers, 896 wide, 14/2 heads): ~0.36B parameters, bf16 compute. The SFT warm start
 # gives the policy the protocol; dynamic sampling is off so every step updates on all episodes.
-part grpo_steps 300 $PY train.py configs/tiny.yaml --model.path=runs/gpu/model05b --model.dtype=bfloat16 \
+part grpo_steps 250 $PY train.py configs/tiny.yaml --model.path=runs/gpu/model05b --model.dtype=bfloat16 \
     --model.tiny_hidden_size=896 --model.tiny_layers=24 --model.tiny_heads=14 --model.tiny_kv_heads=2 \
     --model.tiny_intermediate_size=4864 --model.activation_checkpointing=true \
     --sft.steps=60 --sft.lr=3e-4 --optim.lr=1e-5 --grpo.dynamic_sampling=false --grpo.prompts_per_step=64 \
-    --sampling.max_context=2048 --env.max_turns=3 --data.max_eval_examples=64 --train.steps=10 --train.eval_every=0 \
+    --sampling.max_context=2048 --sampling.cuda_graphs=true --env.max_turns=3 --data.max_eval_examples=64 --train.steps=10 --train.eval_every=0 \
     --train.sample_every=0 --train.threads=0 --train.resume=false --train.out_dir=runs/gpu_grpo_run
 [ -f runs/gpu_grpo_run/metrics.jsonl ] && cp runs/gpu_grpo_run/metrics.jsonl "$OUT/grpo_metrics.jsonl"
 
