@@ -21,7 +21,7 @@ export PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 
-PARTS=${PARTS:-tests attention sampler rollout_scale train_step grpo_steps long_microbatch}
+PARTS=${PARTS:-tests attention sampler sampler_graphs rollout_scale train_step grpo_steps long_microbatch}
 
 part() {  # part NAME SECONDS COMMAND...: run under a time limit, log to $OUT/NAME.txt, keep going
     local name=$1 limit=$2
@@ -49,6 +49,7 @@ part attention 150 $PY bench/attention_probe.py
 
 # (3) sampler vs transformers generate
 part sampler 200 $PY bench/sampler.py --device cuda --shape qwen2.5-0.5b --batches 64,256 --pairs 2
+part sampler_graphs 200 $PY bench/sampler.py --device cuda --shape qwen2.5-0.5b --batches 64,256 --pairs 2 --cuda-graphs
 
 # (4) rollout scale (paged KV engine vs worst-case reservation)
 if [ -f bench/rollout_scale.py ]; then
