@@ -8,6 +8,9 @@ its columns a role the question templates use:
     date   an ISO date column ('2021-03-05'), or None
 All databases of a family share table and column names and differ in their rows, so a tiny model
 can learn the vocabulary of a family and still meet unseen rows (and literals) at eval time.
+Categorical values are stored as codes, not as people say them (encode_categories): "Paris" is
+'PAR-42', "pending" is 'PEN-17'; the two digits are drawn per database and value, so only a look at
+the column (SELECT DISTINCT city FROM customers) tells which code a question's "Paris" needs.
 Not run directly: `python data/prepare_toy.py --out DIR` uses it.
 """
 import datetime
@@ -156,6 +159,25 @@ def make_rows(rng: random.Random, fam: dict) -> dict[str, list[dict]]:
     for r in rows["child"]:
         r[fam["child"]["fk"]] = rng.choices(parents, weights)[0]
     return rows
+
+
+def encode_categories(rng: random.Random, fam: dict, rows: dict) -> dict[str, dict[str, str]]:
+    """Replace every categorical value by its code, in place: the first three letters upper-cased,
+    a dash, two digits drawn here ('Paris' -> 'PAR-42'). The letters are the piece the question's
+    word shares with the code (the model learns to match them); the digits differ between
+    databases, so a code cannot be guessed or memorised, only read. Each pool's first three
+    letters are unique, so a column's codes are too. Returns {table: {code: name}}."""
+    names = {}
+    for side in ("parent", "child"):
+        t, col = fam[side], fam[side]["cat"]
+        present = sorted({r[col] for r in rows[side] if r[col] is not None})
+        digits = rng.sample(range(10, 100), len(present))
+        code = {v: f"{v[:3].upper()}-{d}" for v, d in zip(present, digits)}
+        for r in rows[side]:
+            if r[col] is not None:
+                r[col] = code[r[col]]
+        names[t["table"]] = {c: v for v, c in code.items()}
+    return names
 
 
 def ddl(fam: dict) -> list[str]:

@@ -1,4 +1,8 @@
-"""The toy set: determinism, split by database, coverage, and that every gold is a good answer."""
+"""The toy set: determinism, split by database, coverage, that every gold is a good answer, that
+tool questions need their lookup, and that the gold (multi-turn) trajectories score 1.
+
+    .venv/bin/python -m pytest -q tests/test_toy.py
+"""
 import re
 import sqlite3
 import subprocess
@@ -11,7 +15,7 @@ from conftest import ROOT
 from dataset import load_examples
 
 sys.path.insert(0, str(ROOT / "data"))
-from prepare_toy import TEMPLATES, prepare_toy  # noqa: E402
+from prepare_toy import TEMPLATES, TOOL_TEMPLATES, prepare_toy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +81,10 @@ def test_golds_execute_nonempty_and_literals_copied(toy):
         con = sqlite3.connect(f"file:{r['db_file']}?mode=ro", uri=True)
         rows = con.execute(r["gold_sql"]).fetchall()
         empty[r["template"]] += not rows or all(v is None for row in rows for v in row)
-        # a literal in the gold appears verbatim in the question: the model can copy it
-        for lit in re.findall(r"'([^']*)'", r["gold_sql"]) + re.findall(r"(?<![\w.(])(\d+)(?![\w)])",
-                                                                          r["gold_sql"].replace("LIMIT 1", "")):
+        # a direct question holds every literal of its gold verbatim: the model copies it
+        # (a tool question's code comes from the lookup instead: test_tool_questions_need_the_lookup)
+        lits = re.findall(r"'([^']*)'", r["gold_sql"]) if not r["lookup_sql"] else []
+        for lit in lits + re.findall(r"(?<![\w.(-])(\d+)(?![\w)'])", r["gold_sql"].replace("LIMIT 1", "")):
             assert lit in r["question"], (lit, r["question"], r["gold_sql"])
         # canonical formatting: single spaces, uppercase keywords
         assert "  " not in r["gold_sql"] and r["gold_sql"].startswith("SELECT ")
@@ -95,6 +100,80 @@ def test_golds_execute_nonempty_and_literals_copied(toy):
         con.close()
     n = Counter(r["template"] for r in recs)
     assert all(empty[t] <= 0.05 * n[t] for t in n), empty
+
+
+def _text_cells(con) -> set:
+    tables = [t for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    return {v.lower() for t in tables for row in con.execute(f"SELECT * FROM {t}") for v in row if isinstance(v, str)}
+
+
+def test_tool_questions_need_the_lookup(toy):
+    """The question's word is nowhere in the database, the gold with that word instead of the code
+    is wrong, and the lookup's observation lists the code (whose letters match the word)."""
+    out, stats = toy
+    recs = load_examples(out / "train.jsonl", out) + load_examples(out / "eval.jsonl", out)
+    tool = [r for r in recs if r["lookup_sql"]]
+    for split in ("train", "eval"):  # a mix: the policy must learn when to call the tool
+        assert 0.35 <= stats["tool"][split] / stats[split] <= 0.55, stats["tool"]
+    assert {r["template"] for r in tool} == TOOL_TEMPLATES
+    cells = {}
+    for r in tool:
+        con = sqlite3.connect(f"file:{r['db_file']}?mode=ro", uri=True)
+        if r["db_file"] not in cells:
+            cells[r["db_file"]] = _text_cells(con)
+        (code,) = re.findall(r"'([^']*)'", r["gold_sql"])
+        assert re.fullmatch(r"[A-Z]{3}-\d\d", code), code
+        word = next(w for w in re.findall(r"[A-Za-z]+", r["question"]) if w[:3].upper() == code[:3]
+                    and w.lower() not in {"the", "and"})
+        assert word.lower() not in cells[r["db_file"]], (word, r["db_id"])  # in no cell, in any case
+        listed = [row[0] for row in con.execute(r["lookup_sql"]).fetchall()]
+        assert code in listed and len(listed) >= 3, (code, listed)  # a real choice among codes
+        assert [c for c in listed if c and c[:3] == code[:3]] == [code]  # exactly one matches the word
+        naive = r["gold_sql"].replace(f"'{code}'", f"'{word}'")
+        assert con.execute(naive).fetchall() != con.execute(r["gold_sql"]).fetchall(), naive
+        con.close()
+    # held-out databases store other codes: a code memorised in training is (almost) never right
+    train_codes = {re.findall(r"'([^']*)'", r["gold_sql"])[0] for r in tool if not r["db_id"].endswith("_4")}
+    ev = [re.findall(r"'([^']*)'", r["gold_sql"])[0] for r in tool if r["db_id"].endswith("_4")]
+    assert sum(c in train_codes for c in ev) <= 0.15 * len(ev), sum(c in train_codes for c in ev)
+
+
+def test_gold_trajectories_follow_the_format_and_score_one(toy):
+    """sft.gold_trajectory for every eval and 300 train records: the lookup then the solution for
+    tool questions, a direct solution otherwise; SkyRL's format (reward.format_ok), a <think> after
+    every observation, and reward 1 through reward.episode_rewards."""
+    import config as C
+    import env
+    import reward
+    import sft
+    import tiny
+    from transformers import AutoTokenizer
+    out, _ = toy
+    tok_dir = out.parent / (out.name + "_tok")
+    texts = [r["question"] + " " + r["gold_sql"] for r in load_examples(out / "train.jsonl", out)]
+    tiny.build_tiny_tokenizer(str(tok_dir), texts, vocab_size=400)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    recs = load_examples(out / "eval.jsonl", out) + load_examples(out / "train.jsonl", out)[::7]
+    cfg = C.load_config(["--env.max_turns=2", "--sft.think_text=", "--sft.with_tool_turn=false",
+                         "--data.prompt_template=compact"])
+    prompts = sft.render_prompts(tok, recs, cfg.data, "tags", str(out))
+    episodes = []
+    for r, p in zip(recs, prompts):
+        ids, mask = sft.gold_trajectory(r, p, tok, cfg, r["db_file"])
+        text = tok.decode(ids[len(p):])
+        assert text.endswith("<|im_end|>")
+        assert ("<observation>" in text) == bool(r["lookup_sql"]), text
+        if r["lookup_sql"]:
+            assert text.startswith(f"<think></think>\n<sql>{r['lookup_sql']}</sql>"), text
+            code = re.findall(r"'([^']*)'", r["gold_sql"])[0]
+            assert code in text[text.index("<observation>"):text.index("</observation>")]
+        assert not re.search(r"</observation>(?!\s*<think>)", text), text  # SkyRL: think after each
+        assert reward.format_ok(text, True) == (True, "")
+        episodes.append({"db_path": r["db_file"], "gold_sql": r["gold_sql"], "response": text,
+                         "final_sql": env.parse_turn(text).arg, "finished": True, "steps": []})
+    scores = reward.episode_rewards(episodes, cfg.reward)
+    assert [s["reward"] for s in scores] == [1.0] * len(recs), [s for s in scores if s["reward"] != 1.0][:3]
+    assert sum(bool(r["lookup_sql"]) for r in recs) >= 150
 
 
 def test_schema_has_keys_nulls_dates(toy):
