@@ -14,11 +14,11 @@ unseen identifiers. Gold SQL is short and canonical (uppercase keywords, single 
 Two kinds of question, mixed (~45% need the tool):
   direct     every literal of the gold appears verbatim in the question (the model copies it);
   tool       the question names a category as people say it ("Paris", "pending") but the database
-             stores a code ('PAR-42', 'PEN-17', digits drawn per database: toy_schemas.py), and the
-             prompt shows no values. The record's `lookup_sql` (SELECT DISTINCT city FROM customers)
-             lists the codes; the right one starts with the word's first three letters. Reading
-             that observation is what makes the final query right; held-out databases have other
-             digits, so memorised codes are wrong there.
+             stores a code ('Paris-42', 'pending-17', digits drawn per database: toy_schemas.py),
+             and the prompt shows no values. The record's `lookup_sql` (SELECT DISTINCT city FROM
+             customers) lists the codes; the right one is the row that starts with the word.
+             Reading that observation is what makes the final query right; held-out databases
+             have other digits, so memorised codes are wrong there.
 Each record carries `template` (per-template EX) and `lookup_sql` ("" for direct questions).
 Every gold is executed here; the script fails if any errors, if a template's results are mostly
 empty, or if an ORDER BY ... LIMIT gold has a tie at its cut (an ambiguous answer).

@@ -9,8 +9,8 @@ its columns a role the question templates use:
 All databases of a family share table and column names and differ in their rows, so a tiny model
 can learn the vocabulary of a family and still meet unseen rows (and literals) at eval time.
 Categorical values are stored as codes, not as people say them (encode_categories): "Paris" is
-'PAR-42', "pending" is 'PEN-17'; the two digits are drawn per database and value, so only a look at
-the column (SELECT DISTINCT city FROM customers) tells which code a question's "Paris" needs.
+'Paris-42', "pending" is 'pending-17'; the digits are drawn per database and value, so only a look
+at the column (SELECT DISTINCT city FROM customers) tells which code a question's "Paris" needs.
 Not run directly: `python data/prepare_toy.py --out DIR` uses it.
 """
 import datetime
@@ -161,18 +161,22 @@ def make_rows(rng: random.Random, fam: dict) -> dict[str, list[dict]]:
     return rows
 
 
+CODE_DIGITS = 2  # digits after the word of a code
+
+
 def encode_categories(rng: random.Random, fam: dict, rows: dict) -> dict[str, dict[str, str]]:
-    """Replace every categorical value by its code, in place: the first three letters upper-cased,
-    a dash, two digits drawn here ('Paris' -> 'PAR-42'). The letters are the piece the question's
-    word shares with the code (the model learns to match them); the digits differ between
-    databases, so a code cannot be guessed or memorised, only read. Each pool's first three
-    letters are unique, so a column's codes are too. Returns {table: {code: name}}."""
+    """Replace every categorical value by its code, in place: the word, a dash, two digits drawn
+    here ('Paris' -> 'Paris-42'). The word is the piece the question shares with the code: the
+    model copies it from the question, finds the row that starts with it in the lookup's
+    observation and copies the digits from there (the same tokens in both places: after a line
+    break and after the SQL quote the word has no leading space). The digits differ between
+    databases, so a code cannot be guessed or memorised, only read. Returns {table: {code: name}}."""
     names = {}
     for side in ("parent", "child"):
         t, col = fam[side], fam[side]["cat"]
         present = sorted({r[col] for r in rows[side] if r[col] is not None})
-        digits = rng.sample(range(10, 100), len(present))
-        code = {v: f"{v[:3].upper()}-{d}" for v, d in zip(present, digits)}
+        digits = rng.sample(range(10 ** (CODE_DIGITS - 1), 10 ** CODE_DIGITS), len(present))
+        code = {v: f"{v}-{d}" for v, d in zip(present, digits)}
         for r in rows[side]:
             if r[col] is not None:
                 r[col] = code[r[col]]
