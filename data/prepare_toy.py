@@ -3,8 +3,8 @@
     python data/prepare_toy.py --out runs/toy [--seed 0]
 
 Writes, under --out:
-    database/<db_id>/<db_id>.sqlite   20 small databases: 5 schema families x 4 (data/toy_schemas.py)
-    train.jsonl                       ~2000 questions on 15 databases (canonical records, dataset.py)
+    database/<db_id>/<db_id>.sqlite   65 small databases: 5 schema families x 13 (data/toy_schemas.py)
+    train.jsonl                       ~2000 questions on 60 databases (canonical records, dataset.py)
     eval.jsonl                        ~300 questions on the 5 held-out databases (one per family)
 Records' db_path is relative to --out. Each record also carries `template` (for per-template EX).
 
@@ -14,11 +14,11 @@ unseen identifiers. Gold SQL is short and canonical (uppercase keywords, single 
 Two kinds of question, mixed (~45% need the tool):
   direct     every literal of the gold appears verbatim in the question (the model copies it);
   tool       the question names a category as people say it ("Paris", "pending") but the database
-             stores a code ('Paris-42', 'pending-17', digits drawn per database: toy_schemas.py),
+             stores a code ('Paris4', 'pending7', the digit drawn per database: toy_schemas.py),
              and the prompt shows no values. The record's `lookup_sql` (SELECT DISTINCT city FROM
              customers) lists the codes; the right one is the row that starts with the word.
              Reading that observation is what makes the final query right; held-out databases
-             have other digits, so memorised codes are wrong there.
+             have other digits, so memorised codes are wrong there (but 1 time in 9).
 Each record carries `template` (per-template EX) and `lookup_sql` ("" for direct questions).
 Every gold is executed here; the script fails if any errors, if a template's results are mostly
 empty, or if an ORDER BY ... LIMIT gold has a tie at its cut (an ambiguous answer).
@@ -42,8 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # toy_schemas.py
 from dataset import make_record, write_jsonl  # noqa: E402
 from toy_schemas import FAMILIES, encode_categories, make_rows, write_db  # noqa: E402
 
-DBS_PER_FAMILY = 4  # the last one of each family is held out for eval
-TRAIN_PER_DB = 134  # 15 train dbs -> 2010 questions
+# many small databases: with 3 training databases per family the model memorised their codes
+# (and wrote them on held-out databases); with 12 it cannot, and copies from the observation
+DBS_PER_FAMILY = 13  # the last one of each family is held out for eval
+TRAIN_PER_DB = 34  # 60 train dbs -> 2040 questions
 EVAL_PER_DB = 60  # 5 eval dbs -> 300 questions
 MAX_EMPTY_FRACTION = 0.05  # a template whose golds are emptier than this fails the build
 TOOL_WEIGHT = 3  # tool templates come up 3x as often in the round-robin: ~45% of the questions

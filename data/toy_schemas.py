@@ -9,8 +9,8 @@ its columns a role the question templates use:
 All databases of a family share table and column names and differ in their rows, so a tiny model
 can learn the vocabulary of a family and still meet unseen rows (and literals) at eval time.
 Categorical values are stored as codes, not as people say them (encode_categories): "Paris" is
-'Paris-42', "pending" is 'pending-17'; the digits are drawn per database and value, so only a look
-at the column (SELECT DISTINCT city FROM customers) tells which code a question's "Paris" needs.
+'Paris4', "pending" is 'pending7'; the digit is drawn per database and value, so only a look at
+the column (SELECT DISTINCT city FROM customers) tells which code a question's "Paris" needs.
 Not run directly: `python data/prepare_toy.py --out DIR` uses it.
 """
 import datetime
@@ -161,22 +161,27 @@ def make_rows(rng: random.Random, fam: dict) -> dict[str, list[dict]]:
     return rows
 
 
-CODE_DIGITS = 2  # digits after the word of a code
+# One digit, right after the word: the digit then follows the word's token directly, in the
+# observation as in the SQL, which a small model learns to copy (find the word, take the next
+# token). 'Paris-42' (two digits after a dash, whose row is found two tokens back) was never
+# copied in 400 SFT steps (0% EX on held-out tool questions, against 13% for 'Paris4').
+CODE_DIGITS = 1
+CODE_SEP = ""
 
 
 def encode_categories(rng: random.Random, fam: dict, rows: dict) -> dict[str, dict[str, str]]:
-    """Replace every categorical value by its code, in place: the word, a dash, two digits drawn
-    here ('Paris' -> 'Paris-42'). The word is the piece the question shares with the code: the
-    model copies it from the question, finds the row that starts with it in the lookup's
-    observation and copies the digits from there (the same tokens in both places: after a line
-    break and after the SQL quote the word has no leading space). The digits differ between
-    databases, so a code cannot be guessed or memorised, only read. Returns {table: {code: name}}."""
+    """Replace every categorical value by its code, in place: the word then a digit drawn here
+    ('Paris' -> 'Paris4'), distinct within a column. The word is the piece the question shares
+    with the code: the model copies it from the question, finds the row that starts with it in the
+    lookup's observation and copies the digit from there (the same tokens in both places: after a
+    line break and after the SQL quote the word has no leading space). Digits are drawn per
+    database, so a memorised code is right 1 time in 9 at best. Returns {table: {code: name}}."""
     names = {}
     for side in ("parent", "child"):
         t, col = fam[side], fam[side]["cat"]
         present = sorted({r[col] for r in rows[side] if r[col] is not None})
         digits = rng.sample(range(10 ** (CODE_DIGITS - 1), 10 ** CODE_DIGITS), len(present))
-        code = {v: f"{v}-{d}" for v, d in zip(present, digits)}
+        code = {v: f"{v}{CODE_SEP}{d}" for v, d in zip(present, digits)}
         for r in rows[side]:
             if r[col] is not None:
                 r[col] = code[r[col]]
