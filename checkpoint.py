@@ -6,8 +6,9 @@
     config.yaml    the resolved config of the run
 
 Written to a temporary folder and renamed into place, so a kill never leaves a half checkpoint.
-Under FSDP2 the full state dicts are gathered to rank 0 (cpu_offload) and broadcast back on
-load, so a run saved on N ranks resumes on M.
+Under FSDP2 the full state dicts are gathered to rank 0 (cpu_offload) on save; on load only
+rank 0 reads the files and broadcasts into every rank's shards, so a run saved on N ranks
+resumes on M and a node reads one copy, not one per rank.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -101,25 +103,51 @@ def latest(out_dir: str) -> str | None:
 
 
 def load(path: str, model, optimizer, scheduler) -> dict:
-    """Collective. Loads weights, optimizer, scheduler and this rank's RNG; returns the extras."""
-    from safetensors.torch import load_file
-    blob = torch.load(Path(path) / "trainer.pt", map_location="cpu", weights_only=False)
-    sd = {}
-    hf = Path(path) / "hf"
-    for f in sorted(hf.glob("*.safetensors")):
-        sd.update(load_file(str(f)))
-    import model as model_lib
-    sd = model_lib._from_hf(sd, model.config)  # HF names -> ours (fused qkv / gate-up)
-    if model.config.tie_word_embeddings:
-        sd["lm_head.weight"] = sd["embed_tokens.weight"]
-    opts = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(model, sd, options=opts)
-    if optimizer is not None and blob["optimizer"] is not None:
-        set_optimizer_state_dict(model, optimizer, blob["optimizer"], options=StateDictOptions(full_state_dict=True))
-    if scheduler is not None and blob["scheduler"] is not None:
-        scheduler.load_state_dict(blob["scheduler"])
+    """Collective. Loads weights, optimizer, scheduler and this rank's RNG; returns the extras.
+
+    Only rank 0 reads the files: the weights and the optimizer's full state are broadcast from
+    it and each rank keeps its own shard (broadcast_from_rank0), the small rest (step, scheduler,
+    every rank's RNG state) goes by one broadcast_object_list. The saved files are full state
+    dicts, so any world size can load them."""
     rank = _rank()
-    rngs = blob["rng"]
+    sd, osd, meta = {}, {}, None
+    if rank == 0:
+        from safetensors.torch import load_file
+        blob = torch.load(Path(path) / "trainer.pt", map_location="cpu", weights_only=False)
+        for f in sorted((Path(path) / "hf").glob("*.safetensors")):
+            sd.update(load_file(str(f)))
+        import model as model_lib
+        sd = model_lib._from_hf(sd, model.config)  # HF names -> ours (fused qkv / gate-up)
+        if model.config.tie_word_embeddings:
+            sd["lm_head.weight"] = sd["embed_tokens.weight"]
+        osd = blob["optimizer"] or {}
+        meta = {k: blob[k] for k in ("step", "scheduler", "rng", "extra")}
+        meta["has_optimizer"] = blob["optimizer"] is not None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [meta]
+        dist.broadcast_object_list(box, src=0)
+        meta = box[0]
+    bcast = dist.is_initialized() and dist.get_world_size() > 1
+    set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=False,
+                                                             broadcast_from_rank0=bcast))
+    if optimizer is not None and meta["has_optimizer"]:
+        set_optimizer_state_dict(model, optimizer, osd,
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=bcast))
+    if scheduler is not None and meta["scheduler"] is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    rngs = meta["rng"]
     if rank < len(rngs) and rngs[rank] is not None:
         set_rng_state(rngs[rank])
-    return {"step": blob["step"], **blob["extra"]}
+    return {"step": meta["step"], **meta["extra"]}
+
+
+def check_resumable(ck: str, cfg: C.Config):
+    """Refuse to continue a checkpoint trained under another recipe (a silent mix of two runs),
+    unless --train.resume=force. Only C.RESUMABLE_KEYS (length, cadence, logging) may change."""
+    saved = C.from_dict(yaml.safe_load((Path(ck) / "config.yaml").read_text()))
+    diff = C.changed_keys(saved, cfg)
+    if diff and cfg.train.resume != "force":
+        a, b = C.all_keys(saved), C.all_keys(cfg)
+        lines = "\n".join(f"  {k}: {a[k]!r} (checkpoint) -> {b[k]!r} (now)" for k in diff)
+        raise C.ConfigError(f"{ck} was trained with a different config:\n{lines}\n"
+                            "use another train.out_dir, or --train.resume=force to continue anyway")

@@ -33,8 +33,14 @@ def choice(default, *options, help=""):
 class ModelConfig:
     path: str = "runs/tiny/model"  # local HF folder (config.json + safetensors + tokenizer)
     build_tiny: bool = True  # if `path` does not exist, build a tiny random model there
-    dtype: str = choice("float32", "float32", "bfloat16")  # param dtype (GPU: bf16 mixed prec.)
+    # compute dtype; weights, gradients and AdamW states are always fp32 (FSDP2 mixed precision)
+    dtype: str = choice("float32", "float32", "bfloat16")
     activation_checkpointing: bool = False
+    # LoRA (lora.py): 0 = full fine-tune; > 0 freezes the base and trains rank-r adapters
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # on the adapters' input, training only
+    lora_targets: str = "q,k,v,o,gate,up,down"  # comma-separated subset of these seven
     # shape of the tiny model built when build_tiny and the folder is absent
     tiny_family: str = choice("qwen2", "qwen2", "qwen3", "llama")
     tiny_vocab_size: int = 1024
@@ -70,7 +76,7 @@ class EnvConfig:
     max_rows: int = 50  # rows shown when the table is too long
     fetch_rows: int = 10000  # rows fetched at most (memory bound)
     max_obs_chars: int = 9000  # longer tables are cut to max_rows rows with a note
-    workers: int = 0  # SQL worker processes; 0 = all cores
+    workers: int = 0  # SQL worker processes per rank; 0 = cores / ranks on this machine
     # observation strings (SkyRL's, GUIDE §1); env.py fills {result}, {turns_left}, {error}, {shown}, {total}
     obs_template: str = ("\n\n<observation>{result}\n<reminder>You have {turns_left} turns left to complete"
                          " the task.</reminder></observation>\n\n")
@@ -112,12 +118,22 @@ class GRPOConfig:
     prompts_per_step: int = 256  # global, over all ranks
     advantage: str = choice("group", "group", "batch", "none")
     adv_eps: float = 1e-6
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # 0.28 = DAPO clip-higher
+    loss: str = choice("grpo", "grpo", "gspo", "gspo-token", "cispo",
+                       help="grpo = PPO-clip per token; gspo(-token) = sequence ratio; cispo = clipped IS weight")
+    clip_low: float = -1.0  # < 0: the loss's default (grpo 0.2, gspo 3e-4, cispo 1.0 = no lower bound)
+    clip_high: float = -1.0  # < 0: the loss's default (grpo 0.2, gspo 4e-4, cispo 0.28); 0.28 = DAPO clip-higher
     dual_clip_c: float = 0.0  # 0 = off; 3.0 = dual-clip
     kl_beta: float = 0.0  # > 0 loads a frozen reference model (k3 KL)
     loss_agg: str = choice("token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo")
     drgrpo_max_len: int = 0  # L in Dr. GRPO's sum/(B*L); 0 = max_context
+    # sampler vs trainer logprob correction (rollout_correction.py): weight min(r, cap) or drop
+    # outside [low, high] with r = π_old/π_rollout per token or per sequence; geo-mask drops a
+    # sequence whose geometric-mean r leaves [1 - delta, 1 + delta]
+    rollout_is: str = choice("none", "none", "token-tis", "seq-tis", "token-mis", "seq-mis", "geo-mask")
+    rollout_is_cap: float = 2.0
+    rollout_is_low: float = 0.5
+    rollout_is_high: float = 5.0
+    rollout_is_delta: float = 0.01
     dynamic_sampling: bool = False  # drop all-equal groups and refill
     max_resample_rounds: int = 3
     ppo_epochs: int = 1
@@ -155,10 +171,14 @@ class TrainConfig:
     out_dir: str = "runs/default"
     log_every: int = 1
     sample_every: int = 10  # print a few trajectories every K steps (0 = never)
+    plot_every: int = 0  # redraw out_dir/metrics.png every K steps (plot.py; 0 = off; needs matplotlib)
     eval_every: int = 10  # held-out eval every K steps (also at start and end; 0 = start+end)
     save_every: int = 0  # checkpoint every K steps (0 = end only)
     keep_checkpoints: int = 2
-    resume: bool = True  # continue from out_dir's latest checkpoint if present
+    # continue from out_dir's latest checkpoint if present; "true" refuses a checkpoint whose
+    # config differs in more than RESUMABLE_KEYS, "force" continues anyway, "false" starts anew
+    resume: str = choice("true", "true", "false", "force")
+    dist_timeout_s: float = 7200.0  # collective timeout (a rank waits at a barrier this long)
     max_bad_steps: int = 3  # stop after this many non-finite steps in a row
     threads: int = 0  # torch threads per rank; 0 = leave torch's choice
 
@@ -241,6 +261,8 @@ def _coerce(key: str, value: Any, f: dataclasses.Field, from_string: bool) -> An
     elif want is str:
         if value is None:
             value = ""
+        if isinstance(value, bool) and f.metadata.get("choices"):  # YAML `resume: true`
+            value = "true" if value else "false"
         if not isinstance(value, str):
             raise ConfigError(f"config key '{key}' wants a string, got {value!r}")
     choices = f.metadata.get("choices")
@@ -311,6 +333,19 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 def from_dict(d: dict) -> Config:
     """Rebuild a Config from to_dict() output (e.g. a checkpoint's config.yaml)."""
     return apply(Config(), _flatten_yaml(d, "<dict>"))
+
+
+# keys a resumed run may change: length, cadence, output and logging, never the recipe
+RESUMABLE_KEYS = {"train.steps", "train.log_every", "train.sample_every", "train.eval_every", "train.save_every",
+                  "train.keep_checkpoints", "train.resume", "train.out_dir", "train.threads",
+                  "train.dist_timeout_s", "train.max_bad_steps", "wandb.mode", "wandb.project", "wandb.name",
+                  "model.build_tiny", "data.prepare_toy", "env.workers"}
+
+
+def changed_keys(saved: Config, current: Config) -> list[str]:
+    """Keys whose values differ between a checkpoint's config and this run's, minus RESUMABLE_KEYS."""
+    a, b = all_keys(saved), all_keys(current)
+    return [k for k in a if a[k] != b[k] and k not in RESUMABLE_KEYS]
 
 
 def dump(cfg: Config) -> str:

@@ -105,8 +105,19 @@ def run_golds(jobs: list[tuple], timeout_s: float = 30.0, workers: int = 0) -> l
 
 
 def abs_db_path(example: dict, db_root) -> str:
-    """The database file of a record: its `db_file` (set by load_examples) or db_root/db_path."""
+    """The database file of a record: its `db_file` (set by load_examples) or db_root/db_path,
+    absolute. The one place a record's database path is resolved (prompts, rewards, SFT, eval)."""
     return example.get("db_file") or str((Path(db_root) / example["db_path"]).resolve())
+
+
+def fit_prompts(examples: list[dict], prompt_lengths: list[int], max_prompt_tokens: int,
+                max_context: int) -> tuple[list[dict], int]:
+    """Keep the examples whose rendered prompt has at most max_prompt_tokens tokens and leaves
+    room for at least one generated token in max_context (a longer one could only give an empty
+    episode). -> (kept examples in order, number dropped)."""
+    limit = min(max_prompt_tokens, max_context - 1)
+    kept = [ex for ex, n in zip(examples, prompt_lengths, strict=True) if n <= limit]
+    return kept, len(examples) - len(kept)
 
 
 def load_examples(path, db_root, limit=0) -> list[dict]:
@@ -156,7 +167,7 @@ def load_examples(path, db_root, limit=0) -> list[dict]:
             if rec["id"] in seen:
                 problems.append(f"line {lineno}: duplicate id {rec['id']!r} (first on line {seen[rec['id']]})")
             seen[rec["id"]] = lineno
-            db_file = str((root / rec["db_path"]).resolve())
+            db_file = abs_db_path(rec, root)
             if db_file not in db_exists:
                 db_exists[db_file] = os.path.isfile(db_file)
             if not db_exists[db_file]:

@@ -1,18 +1,25 @@
 """Distributed plumbing for train.py and eval.py: the process group, FSDP2 sharding, unsharding
 the policy around a rollout, the few collectives the loop needs, and the per-device memory estimate.
 
-Works on one process too (no process group: every collective is the identity). CPU uses gloo,
-CUDA uses nccl with bf16 compute / fp32 reduce (GUIDE §5: FSDP2 works on CPU, FSDP1 does not).
+One code path on every world size: without torchrun, setup_dist() builds a one-rank process group
+in-process, and the model is always FSDP2-sharded (fp32 masters, model.dtype compute, fp32 grad
+reduce). CPU uses gloo, CUDA nccl (FSDP2 works on CPU; FSDP1 does not).
 
-    from distributed import setup_dist, shard
-    rank, world, device = setup_dist()           # under torchrun or plain python
-    model = shard(model, world, device)          # fully_shard each block, then the root
+    from distributed import setup_dist, shard, compute_dtype
+    rank, world, device = setup_dist(cfg.train.dist_timeout_s)   # torchrun or plain python
+    model = shard(fp32_model, compute_dtype(cfg))                # each block, then the root
 
-Tests: .venv/bin/pytest tests/test_train.py
+Costs under FSDP2 (measured by reading torch 2.13's fully_shard): a training micro-batch
+all-gathers the root (embeddings, norm, lm_head) once (the root is not resharded between forward
+and backward) and each block twice (forward, then again in backward). unsharded() gathers every
+unit once for a whole rollout and frees all of them on exit.
+
+Tests: pytest tests/test_precision.py tests/test_grpo_dist.py tests/test_train.py
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 
 import torch
@@ -21,17 +28,49 @@ import torch.distributed as dist
 import config as C
 from model import Transformer
 
-def setup_dist():
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+# -----------------------------------------------------------------------------
+# process group
+
+
+def setup_dist(timeout_s: float = 7200.0):
+    """-> (rank, world, device). Always leaves a process group: torchrun's (RANK set), or a
+    one-rank group built in-process (a HashStore, no network), so FSDP2 and its fp32-master /
+    compute-dtype policy run the same on 1 rank as on N.
+
+    timeout_s bounds every collective: one rank can wait that long at a barrier while another
+    generates (a 7B multi-turn generate phase took ~1350 s in SkyRL-SQL reproductions) or writes
+    a checkpoint. CUDA: the device is set before init_process_group and passed as device_id, so
+    NCCL binds each rank to its own GPU (no rank-0 context on every process)."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    return rank, world, device
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kw = {"timeout": datetime.timedelta(seconds=timeout_s)}
+        if device.type == "cuda":
+            kw["device_id"] = device
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, **kw)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def compute_dtype(cfg: C.Config) -> torch.dtype:
+    """model.dtype is the compute dtype; master weights, gradients and AdamW states stay fp32."""
+    return torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+
+
+def param_count(model) -> int:
+    """Parameters of the whole model: under FSDP2 p.numel() of a DTensor is already the global
+    count (not the local shard), so no ×world."""
+    return sum(p.numel() for p in model.parameters())
+
+
+# -----------------------------------------------------------------------------
+# collectives (identity on one rank)
 
 
 def all_sum(values: list[float], device) -> list[float]:
@@ -50,47 +89,103 @@ def all_max(v: int, device) -> int:
 
 def all_gather_list(xs: list) -> list:
     """Concatenate a python list over ranks, in rank order."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return list(xs)
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, xs)
     return [x for part in out for x in part]
 
 
-def shard(model: Transformer, world: int, device):
-    """fully_shard each block, then the root. Mixed precision (bf16 compute, fp32 reduce) on GPU."""
-    if world == 1:
-        return model
+# -----------------------------------------------------------------------------
+# FSDP2
+
+
+def shard(model: Transformer, dtype: torch.dtype):
+    """fully_shard each block, then the root, on every world size (1 rank included).
+
+    The model must be loaded in fp32: those are the master weights (sharded, what AdamW updates).
+    MixedPrecisionPolicy all-gathers them cast to `dtype` for forward/backward and reduce-scatters
+    gradients in fp32, so bf16 compute never rounds an update of lr·step ≪ bf16's 2^-8 away."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device.type == "cuda" else MixedPrecisionPolicy()
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "load the model in fp32 (masters)"
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for block in model.layers:
         fully_shard(block, mp_policy=mp)
+    # the root (embeddings, final norm, lm_head) is never resharded after forward: FSDP2 keeps a
+    # root's parameters gathered from forward to backward (it would re-gather them at once), so a
+    # micro-batch costs one root all-gather + one per block in forward, one per block in backward.
     fully_shard(model, mp_policy=mp)
     return model
 
 
+def fsdp_modules(model) -> list:
+    """The FSDP2 units of a model, root first (empty when not sharded)."""
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
 @contextlib.contextmanager
 def unsharded(model):
-    """Gather the full weights once for a whole rollout (no all-gather per decode step)."""
-    if not hasattr(model, "unshard"):
+    """Gather the full weights once for a whole rollout (no all-gather per decode step).
+
+    FSDP2's unshard() is not recursive: the root's call gathers only the root's own parameters
+    (embeddings, norm, lm_head). Every block is its own unit, so each is unsharded here too;
+    inside, every parameter is a plain tensor in the compute dtype. On exit every unit is
+    resharded, leaving only the fp32 shards (the gathered copies are freed)."""
+    units = fsdp_modules(model)
+    if not units:
         yield
         return
-    model.unshard()
-    model.set_reshard_after_forward(False)
+    for m in units:
+        m.unshard()
+    units[0].set_reshard_after_forward(False)  # recurse=True: the blocks too
     try:
         yield
     finally:
-        model.reshard()
-        model.set_reshard_after_forward(True)
+        for m in units:
+            m.reshard()
+        # back to the training policy: blocks reshard after forward, the root does not. (A plain
+        # root.set_reshard_after_forward(True) would also make the root reshard, costing one more
+        # all-gather of embeddings + lm_head, the largest unit, in every micro-batch's backward.)
+        units[0].set_reshard_after_forward(True)
+        units[0].set_reshard_after_forward(False, recurse=False)
+
+
+class PeakMemory:
+    """Peak CUDA memory per phase of a step (GB), reset at each phase's start, for comparing a
+    GPU run with memory_estimate(). Every phase() is a no-op off CUDA (peaks stays empty)."""
+
+    def __init__(self, device):
+        self.device, self.peaks = device, {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if self.device.type != "cuda":
+            yield
+            return
+        torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            yield
+        finally:
+            gb = torch.cuda.max_memory_allocated(self.device) / 1024 ** 3
+            self.peaks[name] = max(self.peaks.get(name, 0.0), gb)
+
+    def metrics(self) -> dict:
+        """{"mem/<phase>_peak_gb": GB} since the last call (then cleared)."""
+        out = {f"mem/{k}_peak_gb": v for k, v in self.peaks.items()}
+        self.peaks = {}
+        return out
 
 
 def memory_estimate(model: Transformer, cfg: C.Config, world: int) -> dict:
-    """GB per device: sharded fp32 params + grads + AdamW states, unsharded weights in rollout, KV."""
-    n = sum(p.numel() for p in model.parameters())
+    """GB per device, for the FSDP2 layout used on every world size (one rank included): fp32
+    master weights, fp32 gradients and two fp32 AdamW moments, each sharded over `world`; the full
+    weights gathered in the compute dtype during a rollout; the KV cache; one micro-batch's
+    activations (compute dtype)."""
+    n = param_count(model)
     a = model.config
     gb = 1024 ** 3
-    unsharded_bytes = 2 if cfg.model.dtype == "bfloat16" or torch.cuda.is_available() else 4
+    unsharded_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
     kv_per_tok = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * unsharded_bytes
     # activations of one micro-batch: the block inputs kept by checkpointing (or every block's
     # intermediates without it), plus one block's worth recomputed in backward

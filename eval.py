@@ -218,8 +218,7 @@ def generate_chunk(model, tok, exs: list[dict], first: int, cfg, n: int, seed: i
     reps = [ex for ex in exs for _ in range(n)]  # rollout is example-major too
     lines = [one_line(t.final_sql) if t.finished else "" for t in trajs]
     spider = cfg.reward.mode == "spider"  # score the line as `score` will read it
-    eps = [{"db_path": ex["db_file"], "gold_sql": ex["gold_sql"], "response": t.text,
-            "final_sql": official_pred_text(line) if spider else line, "finished": t.finished, "steps": t.steps}
+    eps = [reward.episode(t, ex, cfg.data.db_root, official_pred_text(line) if spider else line)
            for t, ex, line in zip(trajs, reps, lines)]
     rws = reward.episode_rewards(eps, cfg.reward, cfg.env.protocol)
     keys = [None] * len(trajs)
@@ -302,14 +301,15 @@ def cmd_generate(args) -> None:
     if not greedy:
         cfg.sampling.temperature = T
     label = decoding_label(T, cfg.sampling.top_p, args.n)
-    rank, world, device = distributed.setup_dist()
+    rank, world, device = distributed.setup_dist(cfg.train.dist_timeout_s)
     if args.threads:
         torch.set_num_threads(args.threads)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     exs = dataset.load_examples(args.data, args.db_root, args.limit)
     tok = AutoTokenizer.from_pretrained(args.model)
-    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    model = Transformer.from_pretrained(args.model, dtype=dtype, device=device)  # a full copy per rank
+    # a full copy per rank in the compute dtype, no FSDP2: inference only (no fp32 masters needed)
+    # and ranks decode different chunks, which sharded weights (lock-step all-gathers) would forbid
+    model = Transformer.from_pretrained(args.model, dtype=distributed.compute_dtype(cfg), device=device)
     say(f"[{label}] {args.model} on {args.data}: {len(exs)} examples x {args.n}, max_turns {cfg.env.max_turns}, "
         f"{world} process(es), reward mode {cfg.reward.mode}")
     # fixed chunks dealt round-robin to ranks: the same rollout calls whatever the world size

@@ -1,4 +1,5 @@
-"""GRPO's algorithm side: group advantages, dynamic-sampling filter, the clipped policy loss.
+"""GRPO's algorithm side: group advantages, dynamic-sampling filter, the policy loss family
+(PPO-clip GRPO, GSPO, GSPO-token, CISPO) with optional rollout importance correction.
 
 Pure tensor functions, no model and no process group needed (except `global_norm`, which
 all-reduces when one is initialised). One optimizer step of the trainer looks like:
@@ -7,8 +8,9 @@ all-reduces when one is initialised). One optimizer step of the trainer looks li
     norm = global_norm([mb.mask for mb in my_micro_batches], cfg.loss_agg)  # all ranks, all mbs
     for mb in my_micro_batches:                     # same count on every rank (FSDP collectives)
         logp, ent = model(mb.ids, targets=mb.targets, temperature=T)       # (B, T) each
-        loss, metrics = policy_loss(logp, mb.old_logp, mb.adv, mb.mask, clip_low=..,
-                                    clip_high=.., agg=cfg.loss_agg, norm=norm, entropy=ent, ...)
+        loss, metrics = policy_loss(logp, mb.old_logp, mb.adv, mb.mask, ref_logp=mb.ref_logp,
+                                    rollout_logp=mb.rollout_logp, norm=norm, entropy=ent,
+                                    **loss_kwargs(cfg, max_len))
         (loss * world_size).backward()              # see "normalisation contract" below
     optimizer.step()
 
@@ -21,12 +23,17 @@ of its own share; FSDP2's reduce-scatter *averages* over ranks (divides by world
 trainer multiplies the loss by world_size before backward (or, equivalently, turns FSDP's
 division off). Run `python -m pytest tests/test_grpo.py tests/test_grpo_dist.py` to check it.
 Padding a rank with an all-masked micro-batch is safe: its loss is 0 and it adds 0 to `norm`.
+The contract holds for every loss variant and rollout correction: GSPO's sequence ratio and the
+sequence-level corrections reduce over a row (one sequence per row), and a dropped token keeps
+its place in `norm` (its loss is multiplied by 0). tests/test_grpo_losses.py checks each.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from rollout_correction import RolloutIS, is_weights, mismatch_metrics, seq_mean
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo")
 
@@ -112,31 +119,67 @@ def global_norm(mask_list: list[Tensor], agg: str, group=None) -> float:
 # -----------------------------------------------------------------------------
 # the policy loss
 
+LOSSES = ("grpo", "gspo", "gspo-token", "cispo")
+# (ε_low, ε_high) when the config leaves clip_low/clip_high negative: PPO/GRPO's 0.2; GSPO's
+# sequence ratio is a length-normalised geometric mean, so it clips at a far smaller ε
+# (3e-4 / 4e-4, the GSPO paper); CISPO imposes no lower bound on its weight and tunes ε_high
+# (MiniMax-M1).
+DEFAULT_CLIP = {"grpo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
+LOG_RATIO_CLAMP = 20.0  # as SkyRL and verl: clamp log ρ before exp, so exp stays finite in fp32
+K3_MAX = 10.0  # and cap the k3 KL term: one extreme token cannot make a step non-finite
+
+
+def clip_range(loss: str, clip_low: float, clip_high: float) -> tuple[float, float]:
+    """(ε_low, ε_high): the given values, or the loss's default (DEFAULT_CLIP) where negative."""
+    assert loss in LOSSES, f"grpo.loss must be one of {LOSSES}, got {loss!r}"
+    lo, hi = DEFAULT_CLIP[loss]
+    return (lo if clip_low < 0 else clip_low), (hi if clip_high < 0 else clip_high)
+
+
+def loss_kwargs(g, max_len: int) -> dict:
+    """policy_loss's hyperparameters from the grpo config group; the trainer adds the tensors:
+    policy_loss(logp, old, adv, mask, ref_logp=.., rollout_logp=.., norm=.., entropy=..,
+    **loss_kwargs(cfg.grpo, max_len))."""
+    return dict(loss=g.loss, clip_low=g.clip_low, clip_high=g.clip_high, dual_clip_c=g.dual_clip_c,
+                kl_beta=g.kl_beta, agg=g.loss_agg, max_len=g.drgrpo_max_len or max_len,
+                rollout_is=RolloutIS.from_config(g))
+
 
 def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *,
-                clip_low: float, clip_high: float, dual_clip_c: float = 0.0,
+                clip_low: float, clip_high: float, loss: str = "grpo", dual_clip_c: float = 0.0,
                 ref_logp: Tensor | None = None, kl_beta: float = 0.0,
                 agg: str = "token-mean", norm: float, max_len: int | None = None,
-                entropy: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO-clip GRPO loss of one micro-batch, divided by the *global* `norm` (see top).
+                entropy: Tensor | None = None, rollout_logp: Tensor | None = None,
+                rollout_is: RolloutIS = RolloutIS()) -> tuple[Tensor, dict[str, Tensor]]:
+    """Policy loss of one micro-batch, divided by the *global* `norm` (see top).
 
-    logp, old_logp, ref_logp, mask, entropy: (B, T); adv: (B,) per sequence or (B, T).
-    Per token:  ρ = exp(logp - old_logp)
-                pg = -min(ρA, clip(ρ, 1-clip_low, 1+clip_high)A)
-                if dual_clip_c > 0 and A < 0: pg = min(pg, -c·A)     (dual-clip, verl)
-                ℓ = pg + kl_beta · k3,  k3 = exp(ref - logp) - (ref - logp) - 1
+    logp, old_logp, ref_logp, rollout_logp, mask, entropy: (B, T), one sequence per row;
+    adv: (B,) per sequence or (B, T). ε_l, ε_h = clip_range(loss, clip_low, clip_high).
+    log ρ_t = clamp(logp - old_logp, ±20); per token t of sequence i:
+      grpo        ρ = exp(log ρ_t)                         PPO-clip: pg = -min(ρA, clip(ρ, 1-ε_l, 1+ε_h)A)
+      gspo        ρ = s_i = exp(mean_t log ρ_it)           the same clip on the sequence ratio (GSPO)
+      gspo-token  ρ = sg(s_i) · π_θ(y_t) / sg(π_θ(y_t))    value s_i, gradient per token (GSPO-token)
+      cispo       pg = -sg(clip(ρ_t, 1-ε_l, 1+ε_h)) · A · logp    (CISPO: no token's gradient zeroed)
+    dual-clip (not cispo): if dual_clip_c > 0 and A < 0: pg = min(pg, -c·A)    (verl)
+    rollout correction: pg *= w_t, w from rollout_correction.is_weights(old, rollout_logp) when
+        rollout_logp is given (mismatch metrics are then logged; the weights only if kind != none)
+    ℓ = pg + kl_beta · k3,  k3 = min(exp(ref - logp) - (ref - logp) - 1, 10), ref - logp clamped ±20
     Aggregation (m = mask, norm from global_norm(..., agg)):
         token-mean           Σ m·ℓ / norm                       norm = global masked tokens
         seq-mean-token-mean  Σ_seq (Σ_t m·ℓ / Σ_t m) / norm      norm = global sequences
         seq-mean-token-sum   Σ_seq Σ_t m·ℓ / norm                norm = global sequences
         drgrpo               Σ m·ℓ / (norm · max_len)            norm = global sequences
+    GSPO's paper objective (per-sequence loss, mean over sequences) is gspo + seq-mean-token-mean.
     Metrics (detached 0-d tensors, masked means over this micro-batch's tokens): pg_loss
-    (mean per-token pg), clip_frac (tokens where the clipped branch was active, verl's
-    pg_clipfrac), approx_kl (k3 estimate of KL(π_old‖π_θ): ρ - 1 - log ρ), ratio_max; when
-    dual_clip_c > 0 dual_clip_frac; when kl_beta > 0 kl (mean k3 to ref); entropy if given.
+    (mean per-token pg), clip_frac (tokens where the clip was active: the clipped branch of the
+    min, or for cispo the weight clipped), approx_kl (k3 estimate of KL(π_old‖π_θ)), ratio_max
+    (of the ratio the loss used); when dual_clip_c > 0 dual_clip_frac; when kl_beta > 0 kl
+    (mean k3 to ref); entropy if given; the mismatch and is_* metrics with rollout_logp.
     """
     assert agg in AGGS, f"loss agg must be one of {AGGS}, got {agg!r}"
+    eps_low, eps_high = clip_range(loss, clip_low, clip_high)
     assert dual_clip_c == 0.0 or dual_clip_c > 1.0, "dual-clip needs c > 1 (verl)"
+    assert not (dual_clip_c and loss == "cispo"), "dual-clip bounds a PPO-clip loss; cispo has none"
     assert logp.shape == old_logp.shape == mask.shape, (logp.shape, old_logp.shape, mask.shape)
     m = mask.bool()
     logp = logp.float()
@@ -146,42 +189,62 @@ def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *,
     # Masked positions (prompt, tool output, padding) may hold anything, even -inf/nan: zero
     # the inputs there *before* exp so no inf/nan can reach the gradient through 0 * inf.
     A = torch.where(m, A, zero)
-    log_ratio = torch.where(m, logp - old_logp.float(), zero)
-    ratio = torch.exp(log_ratio)
-    pg1 = -A * ratio
-    pg2 = -A * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg = torch.maximum(pg1, pg2)  # = -min(ρA, clip(ρ)A)
-    metrics = {"clip_frac": masked_mean((pg2 > pg1).float(), m)}
-    if dual_clip_c > 0:
-        # For A < 0 a huge ρ makes -ρA unbounded; cap the loss at -c·A (its gradient is then 0).
-        pg3 = -A * dual_clip_c
-        metrics["dual_clip_frac"] = masked_mean(((pg > pg3) & (A < 0)).float(), m)
-        pg = torch.where(A < 0, torch.minimum(pg, pg3), pg)
+    log_ratio = torch.where(m, logp - old_logp.float(), zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    metrics = {}
+    if loss == "cispo":
+        ratio = torch.exp(log_ratio)
+        weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high).detach()
+        pg = -weight * A * torch.where(m, logp, zero)
+        metrics["clip_frac"] = masked_mean((weight != ratio).float(), m)
+    else:
+        if loss == "grpo":
+            ratio = torch.exp(log_ratio)
+        else:
+            seq_log_ratio = seq_mean(log_ratio, m)[:, None]  # (B, 1): log s_i
+            if loss == "gspo-token":
+                seq_log_ratio = seq_log_ratio.detach() + logp - logp.detach()
+            ratio = torch.exp(seq_log_ratio).expand_as(logp)
+        pg1 = -A * ratio
+        pg2 = -A * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+        pg = torch.maximum(pg1, pg2)  # = -min(ρA, clip(ρ)A)
+        metrics["clip_frac"] = masked_mean((pg2 > pg1).float(), m)
+        if dual_clip_c > 0:
+            # For A < 0 a huge ρ makes -ρA unbounded; cap the loss at -c·A (its gradient is then 0).
+            pg3 = -A * dual_clip_c
+            metrics["dual_clip_frac"] = masked_mean(((pg > pg3) & (A < 0)).float(), m)
+            pg = torch.where(A < 0, torch.minimum(pg, pg3), pg)
+    if rollout_logp is not None:
+        metrics.update(mismatch_metrics(old_logp, rollout_logp, m))
+        if rollout_is.kind != "none":
+            w, is_metrics = is_weights(old_logp, rollout_logp, m, rollout_is)
+            pg = pg * w
+            metrics.update(is_metrics)
     token_loss = pg
     metrics["pg_loss"] = masked_mean(pg, m)
 
     if kl_beta > 0:
         assert ref_logp is not None, "kl_beta > 0 needs ref_logp"
-        d = torch.where(m, ref_logp.float() - logp, zero)  # log(π_ref/π_θ), sampled from π_θ
-        k3 = torch.exp(d) - d - 1.0  # ≥ 0, unbiased for KL(π_θ‖π_ref), low variance
+        d = torch.where(m, ref_logp.float() - logp, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        k3 = (torch.exp(d) - d - 1.0).clamp(max=K3_MAX)  # ≥ 0, unbiased for KL(π_θ‖π_ref), low variance
         token_loss = token_loss + kl_beta * k3
         metrics["kl"] = masked_mean(k3, m)
 
     mf = m.to(token_loss.dtype)
     tok = token_loss * mf  # finite everywhere (masked inputs were zeroed), so masked grads are 0
     if agg == "token-mean":
-        loss = tok.sum() / norm
+        out = tok.sum() / norm
     elif agg == "seq-mean-token-mean":
-        loss = (tok.sum(-1) / mf.sum(-1).clamp(min=1)).sum() / norm  # empty rows add 0
+        out = (tok.sum(-1) / mf.sum(-1).clamp(min=1)).sum() / norm  # empty rows add 0
     elif agg == "seq-mean-token-sum":
-        loss = tok.sum() / norm
+        out = tok.sum() / norm
     else:  # drgrpo: a constant normaliser, no length bias (Dr. GRPO)
         assert max_len and max_len > 0, "drgrpo needs max_len (config: grpo.drgrpo_max_len)"
-        loss = tok.sum() / (norm * max_len)
+        out = tok.sum() / (norm * max_len)
 
     with torch.no_grad():
-        metrics["approx_kl"] = masked_mean(ratio - 1.0 - log_ratio, m)
+        r_tok = torch.exp(log_ratio)
+        metrics["approx_kl"] = masked_mean(r_tok - 1.0 - log_ratio, m)
         metrics["ratio_max"] = torch.where(m, ratio, zero).max()
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy.float(), m)
-    return loss, {k: v.detach() for k, v in metrics.items()}
+    return out, {k: v.detach() for k, v in metrics.items()}

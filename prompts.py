@@ -329,7 +329,8 @@ def schema_ddl(db_file, sample_values=0, max_tokens=None, count_tokens=None) -> 
 
 def build_prompt(example: dict, db_root, cfg, protocol: str = "tags", count_tokens=None):
     """(messages, info) for one canonical record. cfg: config.DataConfig. info: schema_text's."""
-    db_file = example.get("db_file") or os.path.join(str(db_root), example["db_path"])
+    import dataset
+    db_file = dataset.abs_db_path(example, db_root)
     evidence = (example.get("evidence") or "").strip()
     q = example["question"]
     if protocol == "actions":  # sql_env: the schema is explored with actions, only names shown

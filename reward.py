@@ -9,7 +9,7 @@ Modes of execution_match:
           keep_distinct; row order compared only when the gold contains 'order by'; otherwise
           bags; a column permutation may align the results; exact values; two empty results equal.
 All SQL runs through sandbox.run_sql_batch (the sandboxed pool) with the reward timeout (30 s default,
-separate from the tool's 5 s). Gold results are cached per process (= per run).
+separate from the tool's 5 s). Gold results are cached per process (an LRU bounded by entries and rows).
 
     python reward.py DB.sqlite "PRED SQL" "GOLD SQL" [set|bag|spider]
 """
@@ -23,7 +23,43 @@ import sandbox
 from config import RewardConfig
 
 REWARD_MAX_ROWS = 1_000_000  # fetch (almost) everything; the sandbox's byte cap still bounds memory
-_GOLD: dict[tuple[str, str], sandbox.SqlResult] = {}  # (db_path, prepared gold) -> result
+
+
+class GoldCache:
+    """LRU of gold results, (db_path, prepared gold) -> SqlResult, bounded by entries and by rows
+    held in total, so a long run over many databases (or golds returning ~1M rows) cannot grow
+    memory without limit. A result larger than max_rows alone is not kept (it is re-run)."""
+
+    def __init__(self, max_entries: int = 20_000, max_rows: int = 5_000_000):
+        self.max_entries, self.max_rows = max_entries, max_rows
+        self.items: collections.OrderedDict = collections.OrderedDict()
+        self.rows = 0
+
+    def __contains__(self, key) -> bool:
+        return key in self.items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def get(self, key):
+        r = self.items.get(key)
+        if r is not None:
+            self.items.move_to_end(key)
+        return r
+
+    def __setitem__(self, key, r: sandbox.SqlResult):
+        if key in self.items:
+            self.rows -= len(self.items.pop(key).rows)
+        if len(r.rows) > self.max_rows:
+            return
+        self.items[key] = r
+        self.rows += len(r.rows)
+        while len(self.items) > self.max_entries or self.rows > self.max_rows:
+            _, old = self.items.popitem(last=False)
+            self.rows -= len(old.rows)
+
+
+_GOLD = GoldCache()
 _CUR_YEAR = re.compile(r"YEAR\s*\(\s*CURDATE\s*\(\s*\)\s*\)\s*", re.I)  # the evaluator's rewrite
 
 # sql_env's dense shaping (GUIDE §2), per step; step rewards clamped to CLAMP
@@ -122,17 +158,18 @@ def match_batch(items, mode: str = "set", *, timeout_s: float = 30.0, keep_disti
     prep = (lambda s: spider_sql(s, keep_distinct)) if mode == "spider" else (lambda s: s)
     golds = [(str(db), prep(g)) for db, _, g in items]
     preds = [prep(p) if p and p.strip() else "" for _, p, _ in items]
-    todo = sorted({k for k in golds if k not in _GOLD})
+    cached = {k: _GOLD.get(k) for k in set(golds) if k in _GOLD}  # held here: the LRU may evict below
+    todo = sorted({k for k in golds if k not in cached})
     jobs = todo + [(db, p) for (db, _), p in zip(golds, preds) if p]
     res = sandbox.run_sql_batch(jobs, timeout_s=timeout_s, max_rows=REWARD_MAX_ROWS, workers=workers)
     for k, r in zip(todo, res):
         if not r.timed_out:  # a timeout may be load; try again next time
             _GOLD[k] = r
     pres = iter(res[len(todo):])
-    gold_now = dict(zip(todo, res))
+    gold_now = {**cached, **dict(zip(todo, res))}
     out = []
     for (db, g), p in zip(golds, preds):
-        gr = _GOLD.get((db, g)) or gold_now[(db, g)]
+        gr = gold_now[(db, g)]
         pr = next(pres) if p else None
         if not gr.ok:
             out.append((False, f"gold failed: {gr.error}"))
@@ -163,28 +200,45 @@ def gold_rows(db_path, gold_sql: str, mode: str = "set", keep_distinct: bool = F
 # -----------------------------------------------------------------------------
 # episode rewards
 
-_TAGS_IN_SOLUTION = ("<think>", "</think>", "<sql>", "</sql>", "<observation>", "</observation>",
-                     "<reminder>", "</reminder>")
+# A tag SkyRL rejects inside the solution: <think>, <sql>, <observation>, opening or closing, in any
+# case and any variant form (`<SQL>`, `</sql >`, `<observation id=1>`, `<think/>`). `\b` keeps
+# `<sqlite>` or `<sql_x>` legal, and <reminder> is deliberately not on the list (as in SkyRL).
+_TAG_IN_SOLUTION = re.compile(r"</?(think|sql|observation)\b", re.I)
+_OBS_END = re.compile(r"</observation>", re.I)
 
 
-def format_ok(response_text: str, finished: bool) -> tuple[bool, str]:
-    """SkyRL's format rules (GUIDE §1): a solution was written before max_turns, exactly one
-    solution block, at least one think block, no tags inside the solution."""
+def format_ok(response_text: str, finished: bool, template_pieces: tuple[str, ...] = ()) -> tuple[bool, str]:
+    """SkyRL-SQL's format rules on the text of the whole episode (every turn and observation
+    after the prompt). Valid when all hold:
+      - a solution was written before max_turns (`finished`);
+      - exactly one `<solution>`, and exactly one `</solution>` after it (a stray `</solution>`
+        earlier in the episode does not count);
+      - no <think>/<sql>/<observation> tag of any case or form inside the solution;
+      - at least one `<think>` … `</think>` block somewhere;
+      - every `</observation>` (any case) before the solution is followed, after whitespace, by
+        `<think>` (any case): the model must think about each tool result before acting.
+    template_pieces: chat-template text the conversation format inserts between messages (e.g.
+    "<|im_end|>\\n<|im_start|>user\\n"); removed first, so the rules see the messages' contents
+    joined, as SkyRL's env does. The single-message format needs none."""
     t = response_text
+    for piece in sorted(template_pieces, key=len, reverse=True):  # longest first: pieces overlap
+        if piece:
+            t = t.replace(piece, "")
     if not finished:
         return False, "no solution before max_turns"
-    if t.count("<solution>") != 1 or t.count("</solution>") != 1:
-        return False, "need exactly one <solution>…</solution>"
-    start = t.index("<solution>")
-    end = t.index("</solution>")
-    if end < start:
-        return False, "</solution> before <solution>"
-    sol = t[start + len("<solution>"):end]
-    if any(tag in sol for tag in _TAGS_IN_SOLUTION):
+    if t.count("<solution>") != 1:
+        return False, "need exactly one <solution>"
+    before, tail = t.split("<solution>", 1)
+    if tail.count("</solution>") != 1:
+        return False, "need exactly one </solution> after <solution>"
+    if _TAG_IN_SOLUTION.search(tail.split("</solution>", 1)[0]):
         return False, "tags inside the solution"
     i = t.find("<think>")
-    if i < 0 or t.find("</think>", i) < 0:
+    if i < 0 or t.find("</think>", i + len("<think>")) < 0:
         return False, "no <think>…</think> block"
+    for m in _OBS_END.finditer(before):
+        if not before[m.end():].lstrip().lower().startswith("<think>"):
+            return False, "no <think> right after an observation"
     return True, ""
 
 
@@ -219,10 +273,21 @@ def dense_shaping(steps: list[dict], gold: list | None) -> float:
     return total
 
 
-def episode_rewards(episodes: list[dict], cfg: RewardConfig, protocol: str = "tags") -> list[dict]:
+def episode(traj, example: dict, db_root, final_sql: str | None = None) -> dict:
+    """The input episode_rewards scores: one rollout.Trajectory of one dataset record.
+    final_sql: the answer to execute, when the caller rewrote it (default traj.final_sql)."""
+    import dataset
+    return {"db_path": dataset.abs_db_path(example, db_root), "gold_sql": example["gold_sql"],
+            "response": traj.text, "final_sql": traj.final_sql if final_sql is None else final_sql,
+            "finished": traj.finished, "steps": traj.steps}
+
+
+def episode_rewards(episodes: list[dict], cfg: RewardConfig, protocol: str = "tags",
+                    template_pieces: tuple[str, ...] = ()) -> list[dict]:
     """episode: {db_path, gold_sql, response, final_sql, finished, steps} ->
-    {reward, exec_match, format_ok, error}. All predictions run in one pool call."""
-    fmts = [format_ok(e["response"], e["finished"]) if protocol == "tags"
+    {reward, exec_match, format_ok, error}. All predictions run in one pool call.
+    template_pieces: see format_ok (the conversation format's chat-template text)."""
+    fmts = [format_ok(e["response"], e["finished"], template_pieces) if protocol == "tags"
             else (bool(e["finished"]), "" if e["finished"] else "no ANSWER before the step budget")
             for e in episodes]
     # every gold runs (cached; dense shaping needs it even without an answer), a prediction only

@@ -249,7 +249,7 @@ class SqlPool:
     Each worker has up to PIPELINE jobs queued, so the next query is there when one ends."""
 
     def __init__(self, workers: int = 0, mem_mb: int = WORKER_MEM_MB, kill_margin_s: float = KILL_MARGIN_S):
-        self.n = workers or os.cpu_count() or 1
+        self.n = workers or default_workers()
         self.mem_mb, self.margin, self.pid = mem_mb, kill_margin_s, os.getpid()
         self.ctx = mp.get_context("spawn")
         self.lock = threading.Lock()
@@ -357,6 +357,12 @@ class SqlPool:
         self.workers = []
 
 
+def default_workers() -> int:
+    """Pool size for workers=0: this machine's cores shared by its ranks (torchrun's
+    LOCAL_WORLD_SIZE), so 8 ranks on 64 cores start 8 workers each, not 64."""
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
 _POOL: SqlPool | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -365,7 +371,7 @@ def get_pool(workers: int = 0) -> SqlPool:
     """The lazily created module-level pool (re-created after a fork or for another size)."""
     global _POOL
     with _POOL_LOCK:
-        n = workers or os.cpu_count() or 1
+        n = workers or default_workers()
         if _POOL is not None and _POOL.pid != os.getpid():
             _POOL = None  # inherited through fork: its pipes belong to the parent
         if _POOL is not None and workers and _POOL.n != n:

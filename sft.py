@@ -4,19 +4,20 @@ A gold trajectory is what a perfect policy would write, tokenized segment by seg
 the rollout appends them (token-in-token-out), so SFT and RL see the same token boundaries:
 
     prompt | <think>{think}</think>\\n<sql>{query}</sql> | observation (real rows) |
-           <think>{think}</think>\\n<solution>{gold}</solution><|im_end|>
+           <think>{think}</think>\\n<solution>{gold}</solution><end of turn>
 
 The tool turn's query is the record's `lookup_sql` when it has one (toy questions that name a
 category the database stores as a code: the lookup lists the codes, the solution copies one);
 otherwise, with `sft.with_tool_turn`, the gold itself (a check); otherwise there is no tool turn.
 The think after the observation keeps SkyRL's rule: every </observation> is followed by <think>.
 
-Loss only on the model-side segments (mask 1), never on the prompt or the observation.
+Loss only on the model-side segments (mask 1), never on the prompt or the observation. The end
+of turn is the chat template's own token (end_of_turn_id), so the warm start teaches the token
+the rollout stops on for any model family.
 train.py runs it before GRPO when `sft.steps > 0`; it shares the model, FSDP2 and checkpoints.
 """
 from __future__ import annotations
 
-import math
 import random
 
 import torch
@@ -47,10 +48,27 @@ def gold_trajectory(example: dict, prompt_ids: list[int], tokenizer, cfg: C.Conf
         ids.extend(obs)
         mask.extend([0] * len(obs))
     model_says(f"{think}<solution>{example['gold_sql']}</solution>")
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    ids.append(eos)
+    ids.append(end_of_turn_id(tokenizer))
     mask.append(1)
     return ids, mask
+
+
+def end_of_turn_id(tokenizer) -> int:
+    """The token the chat template closes an assistant turn with (Qwen: <|im_end|>, Llama 3:
+    <|eot_id|>); the tokenizer's eos_token when there is no template or it adds none."""
+    marker = "\x00END\x00"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"},
+                                              {"role": "assistant", "content": marker}], tokenize=False)
+    except Exception:  # no chat template
+        text = ""
+    tail = text[text.rfind(marker) + len(marker):] if marker in text else ""
+    for token in sorted(tokenizer.get_added_vocab(), key=len, reverse=True):
+        if token and tail.startswith(token):
+            return tokenizer.convert_tokens_to_ids(token)
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has neither an end-of-turn token in its chat template nor an eos_token")
+    return tokenizer.eos_token_id
 
 
 def render_prompts(tokenizer, examples, data_cfg, protocol, db_root) -> list[list[int]]:
@@ -89,17 +107,6 @@ def batches(n_items: int, batch_size: int, steps: int, seed: int, rank: int, wor
             idx += order[pos:pos + take]
             pos += take
         yield idx[rank::world]
-
-
-def lr_lambda(warmup: int, total: int, schedule: str = "constant", min_ratio: float = 0.0):
-    def f(step):
-        if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
-        if schedule == "cosine":
-            t = min(1.0, (step - warmup) / max(1, total - warmup))
-            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
-        return 1.0
-    return f
 
 
 def sft_loss_sum(model, seqs, temperature: float = 1.0):

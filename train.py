@@ -10,6 +10,8 @@ Process group, FSDP2 sharding and the collectives live in distributed.py.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -18,14 +20,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import baseline
 import checkpoint
 import config as C
 import dataset
 import grpo
+import optim
+import plot
 import reward
 import rollout
 import sft
-from distributed import all_gather_list, all_max, all_sum, memory_estimate, setup_dist, shard, unsharded
+from distributed import (PeakMemory, all_gather_list, all_max, all_sum, compute_dtype, memory_estimate,
+                         param_count, setup_dist, shard, unsharded)
 from model import Transformer
 
 # -----------------------------------------------------------------------------
@@ -93,6 +99,22 @@ def tokenizer_corpus(cfg: C.Config) -> list[str]:
         texts.append(f"<think>{cfg.sft.think_text}</think>\n<sql>{ex['gold_sql']}</sql>")
         texts.append(f"<solution>{ex['gold_sql']}</solution>")
     return texts
+
+
+def load_split(path: str, limit: int, tok, cfg: C.Config, log: "Log", name: str) -> list[dict]:
+    """Records of one split, minus those whose prompt exceeds data.max_prompt_tokens (or cannot
+    fit sampling.max_context with one generated token): counted and reported, never silent."""
+    exs = dataset.load_examples(path, cfg.data.db_root, limit)
+    lengths = [len(rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root)) for ex in exs]
+    kept, dropped = dataset.fit_prompts(exs, lengths, cfg.data.max_prompt_tokens, cfg.sampling.max_context)
+    if dropped:
+        log.print(f"{name}: dropped {dropped} of {len(exs)} examples whose prompt is longer than "
+                  f"{min(cfg.data.max_prompt_tokens, cfg.sampling.max_context - 1)} tokens "
+                  f"(data.max_prompt_tokens {cfg.data.max_prompt_tokens}, sampling.max_context "
+                  f"{cfg.sampling.max_context})")
+    if not kept:
+        raise C.ConfigError(f"{name}: every prompt of {path} is too long (data.max_prompt_tokens)")
+    return kept
 
 
 class PromptStream:
@@ -231,21 +253,20 @@ def dummy(device):
 # rollout → reward
 
 
-def episodes_of(trajs, exs, db_root):
-    return [{"db_path": dataset.abs_db_path(ex, db_root), "gold_sql": ex["gold_sql"], "response": t.text,
-             "final_sql": t.final_sql, "finished": t.finished, "steps": t.steps}
-            for t, ex in zip(trajs, exs)]
-
-
-def run_episodes(model, tok, exs, cfg: C.Config, *, n: int, seed: int, greedy: bool):
-    """Rollout (weights unsharded once) then rewards. Returns (trajs, reward dicts, t_rollout, t_reward)."""
+def run_episodes(model, tok, exs, cfg: C.Config, *, n: int, seed: int, greedy: bool, sampling=None,
+                 mem: PeakMemory | None = None):
+    """Rollout (weights unsharded once) then rewards. Returns (trajs, reward dicts, t_rollout, t_reward).
+    sampling: the SamplingConfig to decode with (default cfg.sampling); mem: records CUDA peaks."""
+    phase = mem.phase if mem is not None else (lambda name: contextlib.nullcontext())
     t0 = time.time()
-    with unsharded(model):
-        trajs = rollout.rollout(model, tok, exs, cfg.env, cfg.sampling, cfg.data, cfg.data.db_root,
+    with phase("rollout"), unsharded(model):
+        trajs = rollout.rollout(model, tok, exs, cfg.env, sampling or cfg.sampling, cfg.data, cfg.data.db_root,
                                 n=n, seed=seed, greedy=greedy)
     t1 = time.time()
     rep = [ex for ex in exs for _ in range(n)]  # rollout returns the n samples of an example together
-    rw = reward.episode_rewards(episodes_of(trajs, rep, cfg.data.db_root), cfg.reward, cfg.env.protocol)
+    with phase("reward"):
+        rw = reward.episode_rewards([reward.episode(t, ex, cfg.data.db_root) for t, ex in zip(trajs, rep)],
+                                    cfg.reward, cfg.env.protocol)
     return trajs, rw, t1 - t0, time.time() - t1
 
 
@@ -266,8 +287,10 @@ def reduce_summary(s: dict, device) -> dict:
 
 def evaluate(model, tok, eval_ex, cfg, rank, world, device, log: Log, step: int, prefix="eval"):
     mine = eval_ex[rank::world]
-    greedy = cfg.sampling.eval_temperature == 0
-    trajs, rw, tr, _ = run_episodes(model, tok, mine, cfg, n=1, seed=cfg.train.seed + 10_000, greedy=greedy)
+    T = cfg.sampling.eval_temperature  # greedy at 0, else sampled at T (as eval.py does)
+    sampling = dataclasses.replace(cfg.sampling, temperature=T) if T > 0 else cfg.sampling
+    trajs, rw, tr, _ = run_episodes(model, tok, mine, cfg, n=1, seed=cfg.train.seed + 10_000, greedy=T == 0,
+                                    sampling=sampling)
     m = reduce_summary(summarise(trajs, rw), device)
     m = {f"{prefix}/{k}": v for k, v in m.items()}
     log.metrics(step, m)
@@ -279,7 +302,8 @@ def evaluate(model, tok, eval_ex, cfg, rank, world, device, log: Log, step: int,
 
 def show_samples(log: Log, trajs, rw, exs, k=2):
     for t, r, ex in list(zip(trajs, rw, exs))[:k]:
-        log.print(f"--- sample (reward {r['reward']:+.1f}, exec {r['exec_match']}, stop {t.stop_reason}) "
+        log.print(f"--- sample (reward {r['reward']:+.2f}, exec {r['exec_match']}, stop {t.stop_reason}, "
+                  f"turns {t.num_turns}, tool calls {t.num_tool_calls}) "
                   f"Q: {ex['question']}\n{t.text}\n--- gold: {ex['gold_sql']}")
 
 
@@ -289,7 +313,7 @@ def show_samples(log: Log, trajs, rw, exs, k=2):
 
 def main():
     cfg = C.load_config()
-    rank, world, device = setup_dist()
+    rank, world, device = setup_dist(cfg.train.dist_timeout_s)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     log = Log(cfg, rank)
@@ -302,10 +326,10 @@ def main():
 
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    train_ex = dataset.load_examples(cfg.data.train_path, cfg.data.db_root, cfg.data.max_train_examples)
-    eval_ex = dataset.load_examples(cfg.data.eval_path, cfg.data.db_root, cfg.data.max_eval_examples)
-    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    model = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32 if world > 1 else dtype, device=device)
+    train_ex = load_split(cfg.data.train_path, cfg.data.max_train_examples, tok, cfg, log, "train")
+    eval_ex = load_split(cfg.data.eval_path, cfg.data.max_eval_examples, tok, cfg, log, "eval")
+    # fp32 master weights on every world size; model.dtype is the compute dtype (FSDP2 casts)
+    model = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32, device=device)
     model.set_activation_checkpointing(cfg.model.activation_checkpointing)
     est = memory_estimate(model, cfg, world)
     log.print("memory estimate per device (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in est.items()))
@@ -313,20 +337,16 @@ def main():
         cap = torch.cuda.get_device_properties(device).total_memory / 1024 ** 3
         if est["total"] > cap:
             log.print(f"WARNING: estimated {est['total']:.1f} GB > device memory {cap:.1f} GB")
-    model = shard(model, world, device)
-    log.print(f"model: {sum(p.numel() for p in model.parameters()) * world / 1e6:.2f}M params (approx), "
-              f"world {world}, device {device.type}")
+    model = shard(model, compute_dtype(cfg))
+    log.print(f"model: {param_count(model) / 1e6:.2f}M params, world {world}, device {device.type}, "
+              f"fp32 masters, {cfg.model.dtype} compute")
     o = cfg.optim
-
-    def make_opt(lr, warmup, total):
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-        sch = torch.optim.lr_scheduler.LambdaLR(opt, sft.lr_lambda(warmup, total, o.schedule, o.min_lr_ratio))
-        return opt, sch
-
-    optimizer, scheduler = make_opt(o.lr, o.warmup_steps, cfg.train.steps * cfg.grpo.ppo_epochs * cfg.grpo.mini_batches)
+    optimizer, scheduler = optim.make_optimizer(model, o, o.lr, o.warmup_steps,
+                                          cfg.train.steps * cfg.grpo.ppo_epochs * cfg.grpo.mini_batches)
     step, cursor, bad = 0, 0, 0
-    ck = checkpoint.latest(cfg.train.out_dir) if cfg.train.resume else None
+    ck = checkpoint.latest(cfg.train.out_dir) if cfg.train.resume != "false" else None
     if ck:
+        checkpoint.check_resumable(ck, cfg)
         extra = checkpoint.load(ck, model, optimizer, scheduler)
         step, cursor = extra["step"], extra["cursor"]
         # the config's lr wins over the saved one (a no-op when unchanged: resume stays exact)
@@ -336,23 +356,25 @@ def main():
         log.print(f"resumed from {ck} at step {step}")
     else:
         if cfg.sft.steps > 0:
-            run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, make_opt)
+            run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log)
         checkpoint.save(cfg.train.out_dir, 0, model, optimizer, scheduler, tok, cfg, {"cursor": 0},
                         keep=cfg.train.keep_checkpoints)
-    if step == 0:  # held-out EX before any GRPO step (after the warm start)
-        evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step)
+    if step == 0:  # held-out EX before any GRPO step (after the warm start), beside the random floor
+        warm = evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step)
+        if rank == 0:
+            baseline.report(eval_ex, cfg, log, warm)
 
     ref_model = None
     if cfg.grpo.kl_beta > 0:  # the frozen reference is the policy at GRPO start (after SFT): ckpt 0
         ref_model = shard(Transformer.from_pretrained(str(Path(cfg.train.out_dir) / "ckpt_000000" / "hf"),
-                                                      dtype=torch.float32 if world > 1 else dtype, device=device),
-                          world, device)
+                                                      dtype=torch.float32, device=device), compute_dtype(cfg))
         ref_model.requires_grad_(False)
 
     stream = PromptStream(len(train_ex), cfg.train.seed, cursor)
     G, P = cfg.grpo.group_size, cfg.grpo.prompts_per_step
     assert P % world == 0, f"grpo.prompts_per_step={P} must be divisible by the world size {world}"
     t_start = time.time()
+    mem = PeakMemory(device)  # CUDA: peak GB per phase in each step's metrics (mem/*_peak_gb)
     while step < cfg.train.steps:
         t0 = time.time()
         trajs, rws, exs, t_roll, t_rew = [], [], [], 0.0, 0.0
@@ -361,7 +383,7 @@ def main():
             idx = stream.take(P)[rank::world]
             batch = [train_ex[i] for i in idx]
             seed = (cfg.train.seed * 1_000_003 + step * 1009 + rnd * 101 + rank) % (2 ** 31)
-            tr, rw, a, b = run_episodes(model, tok, batch, cfg, n=G, seed=seed, greedy=False)
+            tr, rw, a, b = run_episodes(model, tok, batch, cfg, n=G, seed=seed, greedy=False, mem=mem)
             t_roll, t_rew = t_roll + a, t_rew + b
             reps = [ex for ex in batch for _ in range(G)]
             seen_t, seen_r, seen_x = seen_t + tr, seen_r + rw, seen_x + reps
@@ -379,7 +401,8 @@ def main():
         t1 = time.time()
         n_kept, n_seen = all_sum([len(trajs), len(seen_t)], device)
         if n_kept > 0:  # every rank joins the update (FSDP collectives), even one with no groups kept
-            m = update(model, ref_model, optimizer, scheduler, trajs, adv, cfg, world, device)
+            with mem.phase("update"):
+                m = update(model, ref_model, optimizer, scheduler, trajs, adv, cfg, world, device)
         else:  # all groups had equal rewards: nothing to learn from, not an error
             m = {}
             log.print(f"step {step + 1}: every group had equal rewards: no update")
@@ -393,7 +416,7 @@ def main():
         eta = (time.time() - t_start) / (step - (cursor // P)) * (cfg.train.steps - step) if step > cursor // P else 0
         metrics = {**{f"train/{k}": v for k, v in s.items()}, **{f"train/{k}": v for k, v in m.items()},
                    "time/rollout": t_roll, "time/reward": t_rew, "time/update": t_upd, "time/step": dt,
-                   "train/tokens_per_s": tok_s, "train/lr": scheduler.get_last_lr()[0]}
+                   "train/tokens_per_s": tok_s, "train/lr": scheduler.get_last_lr()[0], **mem.metrics()}
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
             log.metrics(step, metrics)
             log.print(f"step {step}/{cfg.train.steps} | reward {s['reward']:+.3f} EX {100 * s['ex']:.1f}% "
@@ -413,19 +436,23 @@ def main():
                 evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step)
             checkpoint.save(cfg.train.out_dir, step, model, optimizer, scheduler, tok, cfg,
                             {"cursor": stream.cursor}, keep=cfg.train.keep_checkpoints)
+        if rank == 0 and cfg.train.plot_every and (step % cfg.train.plot_every == 0
+                                                  or step == cfg.train.steps):
+            plot.refresh(cfg.train.out_dir)
+    log.metrics(step, {plot.DONE: 1.0})  # the run's final line: plot.py --follow stops on it
     log.print(f"done: {cfg.train.steps} steps in {(time.time() - t_start) / 60:.1f} min; run in {cfg.train.out_dir}")
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, make_opt):
+def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log):
     """Warm start on gold trajectories (loss on model-side tokens only, token-mean over the batch)."""
     s = cfg.sft
     t0 = time.time()
     prompts = sft.render_prompts(tok, train_ex, cfg.data, cfg.env.protocol, cfg.data.db_root)
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]
     data = sft.build_dataset(train_ex, prompts, tok, cfg, db_paths)
-    opt, sch = make_opt(s.lr, s.warmup_steps, s.steps)
+    opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
     for i, idx in enumerate(sft.batches(len(data), s.batch_size, s.steps, cfg.train.seed, rank, world)):
         seqs = [data[j] for j in idx]
         n_tok = all_sum([sum(sum(m[1:]) for _, m in seqs)], device)[0]

@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 import config as C  # noqa: E402
 import dataset  # noqa: E402
 import grpo  # noqa: E402
-import sft  # noqa: E402
+import optim  # noqa: E402
 import train  # noqa: E402
 from model import Transformer  # noqa: E402
 
@@ -53,7 +53,7 @@ def main():
     exs = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
     o, P, G = cfg.optim, cfg.grpo.prompts_per_step, cfg.grpo.group_size
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
-    sch = torch.optim.lr_scheduler.LambdaLR(opt, sft.lr_lambda(0, 100, "constant"))
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, optim.lr_lambda(0, 100, "constant"))
     stream = train.PromptStream(len(exs), cfg.train.seed)
     print(f"configs/tiny.yaml: {P} prompts x {G} samples, max_turns {cfg.env.max_turns}, max_new_tokens "
           f"{cfg.sampling.max_new_tokens}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "

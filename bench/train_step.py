@@ -27,9 +27,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import config as C  # noqa: E402
-import sft  # noqa: E402
 import tiny  # noqa: E402
 import distributed  # noqa: E402
+import optim  # noqa: E402
 import train  # noqa: E402
 from model import Transformer  # noqa: E402
 
@@ -51,7 +51,7 @@ def measure(model_dir: str, seqs: int, steps: int) -> dict:
     model = distributed.shard(model, world, device)
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
-    sch = torch.optim.lr_scheduler.LambdaLR(opt, sft.lr_lambda(0, 100, "constant"))
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, optim.lr_lambda(0, 100, "constant"))
     batch = fake_batch(seqs, model.config.vocab_size)
     adv = torch.tensor([random.Random(i).choice([-1.0, 1.0]) for i in range(seqs)])
     lo, hi = rank * seqs // world, (rank + 1) * seqs // world

@@ -7,8 +7,9 @@ tied embeddings, chunked checkpointed logprobs — when model.py is present) and
 1-process reference gradient on the whole batch; a `fully_shard` copy computes the loss on this
 rank's uneven share (different rows and token counts per rank, micro-batches, an all-masked
 padding micro-batch), normalised by `global_norm` and scaled by world_size as grpo.py's contract
-says. The gathered gradient must match the reference. Prints one `RESULT model=... agg=...`
-line per model and aggregation on rank 0; exits non-zero on a mismatch.
+says. The gathered gradient must match the reference. Prints one `RESULT model=... case=...`
+line per model and case (loss variant, aggregation, rollout correction: CASES) on rank 0; exits
+non-zero on a mismatch.
 """
 import copy
 import math
@@ -22,6 +23,13 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from grpo import AGGS, global_norm, policy_loss  # noqa: E402
+from rollout_correction import RolloutIS  # noqa: E402
+
+# (loss, aggregation, rollout correction): every aggregation for grpo, and each other variant
+# with a sequence-level or token-level correction (the sampler's logprobs are noise off old's)
+CASES = [("grpo", agg, "none") for agg in AGGS] + [
+    ("gspo", "seq-mean-token-mean", "seq-tis"), ("gspo-token", "token-mean", "token-mis"),
+    ("cispo", "token-mean", "token-tis")]
 
 V, D, B, T = 37, 24, 10, 12  # odd sizes: FSDP pads uneven shards
 
@@ -61,6 +69,12 @@ def build_models():
     tf.logits_chunk_elems = 4 * V * 5  # several logprob chunks, as for a real vocab
     out["transformer"] = (tf, lambda m: m.layers,
                           lambda m, ids, tgt: m(ids, targets=tgt, temperature=0.7)[0])
+    # activation checkpointing recomputes each block in backward, under FSDP2 re-gathering it:
+    # the gradients must still equal the 1-process ones
+    tf_ckpt = copy.deepcopy(tf)
+    tf_ckpt.set_activation_checkpointing(True)
+    out["transformer+ckpt"] = (tf_ckpt, lambda m: m.layers,
+                               lambda m, ids, tgt: m(ids, targets=tgt, temperature=0.7)[0])
     return out
 
 
@@ -69,18 +83,20 @@ def global_batch():
     ids = torch.randint(0, V, (B, T + 1), generator=g)
     lens = torch.tensor([12, 3, 7, 1, 12, 5, 9, 2, 11, 6])  # ragged responses
     mask = torch.arange(T)[None] < lens[:, None]
-    noise = 0.3 * torch.randn(2, B, T, generator=g)  # old/ref logprobs = current + noise
+    noise = 0.3 * torch.randn(3, B, T, generator=g)  # old/ref/rollout logprobs = current + noise
     adv = torch.randn(B, generator=g)
     return ids, mask, noise, adv
 
 
-def loss_on(fwd, model, rows, mask, norm, agg, batch):
-    ids, _, old_ref, adv = batch
+def loss_on(fwd, model, rows, mask, norm, case, batch):
+    ids, _, noise, adv = batch
+    loss_name, agg, correction = case
     logp = fwd(model, ids[rows, :-1], ids[rows, 1:])
-    old, ref = old_ref[0, rows], old_ref[1, rows]
-    loss, _ = policy_loss(logp, old, adv[rows], mask, clip_low=0.2, clip_high=0.28,
-                          dual_clip_c=3.0, ref_logp=ref, kl_beta=0.1, agg=agg, norm=norm,
-                          max_len=T)
+    old, ref, rollout = (logp.detach() + noise[k, rows] for k in range(3))
+    loss, _ = policy_loss(logp, old, adv[rows], mask, loss=loss_name, clip_low=0.2, clip_high=0.28,
+                          dual_clip_c=0.0 if loss_name == "cispo" else 3.0, ref_logp=ref, kl_beta=0.1,
+                          agg=agg, norm=norm, max_len=T, rollout_logp=rollout,
+                          rollout_is=RolloutIS(correction, cap=1.5, low=0.8, high=1.25))
     return loss
 
 
@@ -97,11 +113,12 @@ def main():
     mbs = [(r0, mask[r0]), (r1, mask[r1])] if rank == 0 else [(r2, mask[r2]), (pad, mask[pad] & False)]
     ok = True
     for name, (base, blocks, fwd) in models.items():
-        for agg in AGGS:
+        for case in CASES:
+            agg = case[1]
             # 1-process reference on the whole global batch, normaliser counted by hand
             ref_model = copy.deepcopy(base)
             n_ref = float(mask.sum()) if agg == "token-mean" else float(mask.any(-1).sum())
-            ref_loss = loss_on(fwd, ref_model, torch.arange(B), mask, n_ref, agg, batch)
+            ref_loss = loss_on(fwd, ref_model, torch.arange(B), mask, n_ref, case, batch)
             ref_loss.backward()
             ref_grads = {n: p.grad for n, p in ref_model.named_parameters()}
 
@@ -112,7 +129,7 @@ def main():
             norm = global_norm([m for _, m in mbs], agg)  # all-reduced over both ranks
             total = torch.zeros(())
             for rows, m in mbs:
-                loss = loss_on(fwd, model, rows, m, norm, agg, batch)
+                loss = loss_on(fwd, model, rows, m, norm, case, batch)
                 (loss * world).backward()  # FSDP2's reduce-scatter averages over ranks
                 total += loss.detach()
             dist.all_reduce(total)  # sum of every rank's micro-batch losses = the global loss
@@ -124,7 +141,7 @@ def main():
                     and abs(total.item() - ref_loss.item()) <= 1e-6 * max(1.0, abs(ref_loss.item())))
             ok &= good
             if rank == 0:
-                print(f"RESULT model={name} agg={agg} norm={norm:g} loss={total.item():.7f} "
+                print(f"RESULT model={name} case={'/'.join(case)} norm={norm:g} loss={total.item():.7f} "
                       f"ref_loss={ref_loss.item():.7f} max_grad={scale:.3g} max_grad_diff={max_diff:.2e} "
                       f"{'ok' if good else 'MISMATCH'}", flush=True)
     dist.barrier()  # both ranks done before teardown (gloo can abort if a peer hangs up early)

@@ -219,7 +219,9 @@ def test_pool_order_memory_cap_and_byte_cap(tiny_db):
     rs = env.run_sql_batch(jobs, timeout_s=0.3)
     assert rs[7].timed_out and "interrupted" in rs[7].error
     assert all(r.rows == [(i, min(i, 60))] for i, r in enumerate(rs) if i != 7)
-    for w in sandbox.get_pool().workers:  # RLIMIT_AS is set in every worker
+    # RLIMIT_AS is set in every worker (wait_ready: the worker replacing the timed-out one may
+    # still be booting, before its setrlimit, on a loaded machine)
+    for w in sandbox.get_pool().wait_ready().workers:
         limits = Path(f"/proc/{w.proc.pid}/limits").read_text()
         line = next(l for l in limits.splitlines() if l.startswith("Max address space"))
         assert "unlimited" not in line, line

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT
+from conftest import ROOT, TWO_RANKS_MISSING, TWO_RANKS_POSSIBLE
 
 import dataset
 import eval as ev
@@ -179,6 +179,7 @@ def test_files_order_and_placeholders(setup, greedy_run):
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+@pytest.mark.skipif(not TWO_RANKS_POSSIBLE, reason=TWO_RANKS_MISSING)
 def test_torchrun_two_processes_match_one(setup, greedy_run):
     d, _, base = setup
     out = str(d / "greedy2")

@@ -82,3 +82,75 @@ def test_no_metrics_file(tmp_path):
     pytest.importorskip("matplotlib")
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         plot.plot(str(tmp_path))
+
+
+# -----------------------------------------------------------------------------
+# live: --follow, train.plot_every
+
+
+def test_finished_marker(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    assert not plot.finished(str(p))  # no file yet
+    write_metrics(p)
+    assert not plot.finished(str(p))
+    with open(p, "a") as fh:
+        fh.write("\n" + json.dumps({"step": 30, plot.DONE: 1.0}) + "\n")
+    assert plot.finished(str(p))
+    with open(p, "a") as fh:  # a resumed run appends after the old marker: not finished any more
+        fh.write(json.dumps({"step": 31, "train/reward": 0.5}) + "\n")
+    assert not plot.finished(str(p))
+
+
+def test_follow_redraws_while_the_run_goes(tmp_path):
+    """A writer thread appends steps like train.py; follow redraws on each change and returns at
+    the run's final line."""
+    pytest.importorskip("matplotlib")
+    import threading
+    import time
+    p = tmp_path / "metrics.jsonl"
+    p.write_text(json.dumps({"step": 0, "eval/ex": 0.1, "eval/random_ex": 0.02}) + "\n")
+
+    def writer():
+        for s in range(1, 4):
+            time.sleep(0.6)
+            with open(p, "a") as fh:
+                fh.write(json.dumps({"step": s, "train/reward": s / 3, "train/ex": s / 6}) + "\n")
+        with open(p, "a") as fh:
+            fh.write(json.dumps({"step": 3, plot.DONE: 1.0}) + "\n")
+
+    th = threading.Thread(target=writer)
+    drawn = []
+    th.start()
+    n = plot.follow(str(tmp_path), every=0.1, on_draw=lambda png: drawn.append(len(plot.read_metrics(str(p)))))
+    th.join()
+    assert n == len(drawn) >= 3  # the first state, some steps, the final one
+    assert drawn[-1] == len(plot.read_metrics(str(p)))  # the last redraw saw the whole file
+    assert (tmp_path / "metrics.png").stat().st_size > 10_000
+
+
+def test_follow_stops_when_told(tmp_path):
+    """until() (e.g. the training process exited without its final line) ends the loop."""
+    pytest.importorskip("matplotlib")
+    write_metrics(tmp_path / "metrics.jsonl")
+    calls = []
+    assert plot.follow(str(tmp_path), every=0.01, until=lambda: calls.append(1) or len(calls) > 2) == 1
+
+
+def test_follow_cli_on_a_finished_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    write_metrics(tmp_path / "metrics.jsonl")
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write("\n" + json.dumps({"step": 30, plot.DONE: 1.0}) + "\n")
+    p = subprocess.run([sys.executable, str(ROOT / "plot.py"), str(tmp_path), "--follow", "--every", "0.1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == [f"redrew {tmp_path / 'metrics.png'}", "stopped following after 1 redraws"]
+
+
+def test_refresh_warns_once_without_matplotlib(tmp_path, monkeypatch, capsys):
+    write_metrics(tmp_path / "metrics.jsonl")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(plot, "_warned", False)
+    assert plot.refresh(str(tmp_path)) is None and plot.refresh(str(tmp_path)) is None
+    err = capsys.readouterr().err
+    assert err.count("WARNING: train.plot_every") == 1 and "pip install matplotlib" in err

@@ -6,6 +6,7 @@ Run: .venv/bin/pytest tests/test_reward.py -q
 """
 import collections
 import itertools
+import re
 import sqlite3
 
 import pytest
@@ -128,10 +129,42 @@ def test_spider_sql_keep_distinct():
 # -----------------------------------------------------------------------------
 # format rules and episode rewards
 
+OBS = "\n\n<observation>{}\n<reminder>You have {} turns left to complete the task.</reminder></observation>\n\n"
+
+
+def skyrl_episode(*turns: str, rows: str = "1") -> str:
+    """The text SkyRL's env scores: its assistant turns joined with the observation after each
+    non-final turn (single-message format, no chat-template tokens)."""
+    parts = []
+    for k, turn in enumerate(turns):
+        parts.append(turn)
+        if k < len(turns) - 1:
+            parts.append(OBS.format(rows, 5 - k))
+    return "".join(parts)
+
+
+def skyrl_format_reference(text: str) -> bool:
+    """SkyRL-gym's format rule (envs/sql/utils.py), written here from its semantics, a different
+    way from reward.format_ok: one '<solution>'; exactly one '</solution>' after it; no
+    think/sql/observation tag (any case, any attributes, self-closing) inside; some
+    '<think>...</think>'; each '</observation>' (any case) before the solution followed by
+    optional whitespace and '<think>' (any case)."""
+    head, sep, tail = text.partition("<solution>")
+    if not sep or "<solution>" in tail:
+        return False
+    body, sep2, after = tail.partition("</solution>")
+    if not sep2 or "</solution>" in after:
+        return False
+    if re.search(r"</?(?:think|sql|observation)(?!\w)", body, re.I):  # not followed by a name char
+        return False
+    if not re.search(r"<think>.*?</think>", text, re.S):
+        return False
+    return re.search(r"</observation>(?!\s*<think>)", head, re.I) is None
+
+
 @pytest.mark.parametrize("text,finished,ok", [
     ("<think>x</think><solution>SELECT 1</solution>", True, True),
-    ("<think>x</think><sql>SELECT 1</sql>\n\n<observation>1\n<reminder>r</reminder></observation>\n\n"
-     "<think>y</think><solution>SELECT 1</solution>", True, True),
+    (skyrl_episode("<think>x</think><sql>SELECT 1</sql>", "<think>y</think><solution>SELECT 1</solution>"), True, True),
     ("<think>x</think><solution>SELECT 1</solution>", False, False),  # hit max_turns
     ("<solution>SELECT 1</solution>", True, False),  # no think
     ("<think>x<solution>SELECT 1</solution>", True, False),  # unclosed think
@@ -140,9 +173,67 @@ def test_spider_sql_keep_distinct():
     ("<think>x</think></solution>SELECT 1<solution>", True, False),
     ("<think>x</think><solution><sql>SELECT 1</sql></solution>", True, False),  # tags inside
     ("<think>x</think><solution><think>SELECT 1</solution>", True, False),
+    # variant forms inside the solution are format errors too
+    ("<think>x</think><solution><SQL>SELECT 1</solution>", True, False),
+    ("<think>x</think><solution>SELECT 1</sql ></solution>", True, False),
+    ("<think>x</think><solution><observation id=1>SELECT 1</solution>", True, False),
+    ("<think>x</think><solution><think/>SELECT 1</solution>", True, False),
+    ("<think>x</think><solution></Observation>SELECT 1</solution>", True, False),
+    # ... but <reminder> and look-alike names are not
+    ("<think>x</think><solution>SELECT 1<reminder>r</reminder></solution>", True, True),
+    ("<think>x</think><solution>SELECT '<sqlite>'</solution>", True, True),
+    # a stray </solution> before the solution does not count (SkyRL since mid-2025)
+    ("<think>x</think></solution><solution>SELECT 1</solution>", True, True),
+    # every tool result must be followed by thinking
+    (skyrl_episode("<think>x</think><sql>SELECT 1</sql>", "<solution>SELECT 1</solution>"), True, False),
+    (skyrl_episode("<think>x</think><sql>SELECT 1</sql>", "<sql>SELECT 2</sql>",
+                   "<think>y</think><solution>SELECT 1</solution>"), True, False),
+    (skyrl_episode("<think>x</think><sql>SELECT 1</sql>", " \n<THINK>y</THINK><think>z</think><solution>1</solution>"),
+     True, True),  # whitespace, then <think> in any case
+    ("<think>x</think><sql>q</sql><observation>1</observation><solution>SELECT 1</solution>", True, False),
 ])
 def test_format_ok(text, finished, ok):
     assert reward.format_ok(text, finished)[0] == ok
+    if finished:
+        assert skyrl_format_reference(text) == ok  # the reference agrees on the hand-written cases
+
+
+# Fragments an episode is made of, legal and not: hypothesis glues them into episodes shaped
+# before-solution / solution body / after, so that valid episodes and near-misses are both common.
+_FRAGMENTS = ["<think>", "</think>", "<think>t</think>", "<THINK>", "<sql>", "</sql>", "<SQL>", "</sql >",
+              "<solution>", "</solution>", "<observation>", "</observation>", "</Observation>",
+              "<observation id=1>", "<think/>", "<reminder>", "</reminder>", "<sqlite>", "SELECT 1", "x",
+              " ", "\n", "\t", "<|im_end|>", OBS.format("1", 3)]
+_PIECES = st.lists(st.sampled_from(_FRAGMENTS), max_size=6)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_PIECES, st.booleans(), _PIECES, st.booleans(), _PIECES)
+def test_format_ok_matches_skyrl_reference(pre, open_, body, close, post):
+    text = "".join(pre) + "<solution>" * open_ + "".join(body) + "</solution>" * close + "".join(post)
+    assert reward.format_ok(text, True)[0] == skyrl_format_reference(text), text
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["", "<think>t</think>", "<THINK>t</think>", " <think>a"]),
+                          st.sampled_from(["<sql>SELECT 1</sql>", "nothing", "<solution>SELECT 1</solution>"])),
+                min_size=1, max_size=5))
+def test_format_ok_on_skyrl_shaped_episodes(turns):
+    """Episodes as SkyRL's env sees them: turns (thinking + an action) with observations between."""
+    text = skyrl_episode(*(a + b for a, b in turns))
+    assert reward.format_ok(text, True)[0] == skyrl_format_reference(text), text
+
+
+def test_format_ok_conversation_template_pieces():
+    """In the conversation format the decoded episode holds chat-template text between messages;
+    format_ok removes the pieces it is given, so the observation rule sees what SkyRL's env sees."""
+    close, before, after = "<|im_end|>", "\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
+    obs = OBS.format("1", 4).strip()
+    text = f"<think>x</think><sql>SELECT 1</sql>{close}{before}{obs}{after}<think>y</think><solution>SELECT 1</solution>"
+    assert not reward.format_ok(text, True)[0]  # the template text sits between </observation> and <think>
+    assert reward.format_ok(text, True, (close, before, after)) == (True, "")
+    no_think = text.replace("<think>y</think>", "")
+    assert reward.format_ok(no_think, True, (close, before, after))[1] == "no <think> right after an observation"
 
 
 def test_dense_shaping_numbers():
@@ -195,6 +286,14 @@ def test_episode_rewards_tags_and_actions(small_db):
     dense = reward.episode_rewards(act, RewardConfig(dense=True), protocol="actions")
     shaped = -0.005 + 0.02 + 0.01 + 0.15
     assert [o["reward"] for o in dense] == pytest.approx([1.0 + shaped, shaped])
+
+
+def test_empty_solution_scores_wrong_even_when_gold_is_empty(small_db):
+    """A deliberate difference from SkyRL (which runs "" and compares two empty results: +1)."""
+    good = "<think>t</think><solution></solution>"
+    ep = dict(db_path=small_db, gold_sql="SELECT a FROM t WHERE a > 9", response=good, final_sql="", finished=True)
+    out = reward.episode_rewards([ep], RewardConfig())[0]
+    assert (out["reward"], out["format_ok"], out["error"]) == (0.0, True, "empty prediction")
 
 
 def test_execution_match_errors_and_timeout(small_db):

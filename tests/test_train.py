@@ -14,6 +14,7 @@ import torch
 
 import config as C
 import distributed
+import optim
 import rollout
 import sft
 import tiny
@@ -123,6 +124,33 @@ def test_two_process_torchrun_run(tmp_path):
     ours = Transformer.from_pretrained(str(hf))
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.allclose(ref(ids).logits, ours(ids), atol=1e-4)
+    # saved on 2 ranks, resumed on 1 (rank 0 reads the full state dicts, any world size loads them)
+    p = run_train(small_args(tmp_path) + ["--train.steps=3"], tmp_path / "run", nproc=1)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0 and "resumed from" in out and "at step 2" in out, out[-3000:]
+    assert (tmp_path / "run" / "ckpt_000003").exists()
+
+
+def test_bf16_end_to_end_with_fp32_masters_resumes_on_two_ranks(tmp_path):
+    """model.dtype bfloat16 on one process: SFT, rollout, update, checkpoint all run on the FSDP2
+    path with fp32 masters (the checkpoint holds fp32 weights), and the run resumes on 2 ranks."""
+    args = small_args(tmp_path) + ["--model.dtype=bfloat16", "--model.activation_checkpointing=true"]
+    p = run_train(args + ["--train.steps=2"], tmp_path / "run")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0 and "fp32 masters, bfloat16 compute" in out, out[-3000:]
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "run" / "ckpt_000002" / "hf" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+    m = read_metrics(tmp_path / "run")
+    assert all(r["train/grad_norm"] == r["train/grad_norm"] for r in m if "train/grad_norm" in r)  # finite
+    p = run_train(args + ["--train.steps=3"], tmp_path / "run", nproc=2)
+    out, _ = p.communicate(timeout=400)
+    assert p.returncode == 0 and "resumed from" in out and "at step 2" in out, out[-3000:]
+    assert (tmp_path / "run" / "ckpt_000003").exists()
+    # a changed recipe is refused, naming the key; only --train.resume=force continues
+    p = run_train(args + ["--train.steps=4", "--optim.lr=0.5"], tmp_path / "run")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode != 0 and "optim.lr" in out and "--train.resume=force" in out, out[-3000:]
 
 
 def test_kill_and_resume_is_exact(tmp_path):
@@ -168,12 +196,25 @@ def test_memory_estimate_of_the_7b_recipe_fits_80gb():
 
 
 def test_lr_schedule_and_micro_batch_packing():
-    f = sft.lr_lambda(warmup=4, total=20, schedule="cosine", min_ratio=0.1)
+    f = optim.lr_lambda(warmup=4, total=20, schedule="cosine", min_ratio=0.1)
     assert [round(f(s), 3) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert abs(f(20) - 0.1) < 1e-9 and 0.1 < f(12) < 1.0
-    assert sft.lr_lambda(0, 10)(7) == 1.0
+    assert optim.lr_lambda(0, 10)(7) == 1.0
     lengths = [5, 17, 3, 9, 9, 30, 1]
     mbs = train.pack(lengths, budget=32)
     assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths)))
     for mb in mbs:  # padded size within budget unless a single sequence is longer
         assert len(mb) == 1 or max(lengths[i] for i in mb) * len(mb) <= 32
+
+
+def test_memory_estimate_counts_the_one_rank_fsdp2_layout():
+    """1 rank, bf16 compute: fp32 masters + fp32 grads + 2 fp32 moments, and a bf16 gathered copy."""
+    from model import ModelArgs
+    with torch.device("meta"):
+        m = Transformer(ModelArgs(model_type="qwen2", vocab_size=1000, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    n, gb = sum(p.numel() for p in m.parameters()), 1024 ** 3
+    for dtype, unsharded_bytes in (("bfloat16", 2), ("float32", 4)):
+        est = distributed.memory_estimate(m, C.load_config([f"--model.dtype={dtype}"]), world=1)
+        assert abs(est["params"] - 4 * n / gb) < 1e-12 and abs(est["adam"] - 8 * n / gb) < 1e-12
+        assert abs(est["rollout_weights"] - unsharded_bytes * n / gb) < 1e-12

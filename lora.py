@@ -1,0 +1,414 @@
+"""LoRA adapters for model.py's Transformer, saved and loaded in PEFT's format.
+
+The base weights are frozen (kept in their own dtype: bf16 in bf16 runs, never in the optimizer);
+each targeted projection gets a trainable fp32 pair A (r, in), B (out, r), and computes
+
+    y = x W^T + b + dropout(x) A^T B^T * alpha / r
+
+model.py fuses q/k/v into one `qkv_proj` and gate/up into one `gate_up_proj`, so those modules
+carry one adapter pair per part (q, k, v; gate, up), and the parts' outputs are concatenated
+along the output like the fused weight's rows. That is exactly PEFT's LoRA on the separate HF
+modules, so an adapter saved here loads into `peft.PeftModel` on the HF model (and back).
+
+    import lora
+    model = Transformer.from_pretrained(path)
+    lora.apply(model, cfg.model)                 # cfg.model.lora_rank > 0; only adapters train
+    lora.save_adapter(model, "ckpt/adapter", base_path=path)   # adapter_config.json + safetensors
+    lora.load_adapter(model, "ckpt/adapter")     # resume (or start from a PEFT adapter)
+    with lora.merged(model): sample(model)       # W + s B A in place: plain matmuls for decoding
+    model.save_pretrained("hf", state_dict=lora.merged_state_dict(model))   # merged HF weights
+
+    python lora.py configs/skyrl_sql_7b_lora.yaml   # per-device memory of LoRA vs full fine-tune
+
+Tests: .venv/bin/pytest tests/test_lora.py -q (PEFT parity when peft is installed).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+HF_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+             "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+             "down": "mlp.down_proj"}
+PEFT_PREFIX = "base_model.model.model."  # PeftModel(CausalLM).model.layers... as PEFT saves it
+
+
+# -----------------------------------------------------------------------------
+# config
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]  # subset of TARGETS, in TARGETS order
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def from_config(cls, model_cfg) -> "LoraSpec":
+        """From config.ModelConfig's lora_* keys, with errors naming the key."""
+        names = [t.strip() for t in str(model_cfg.lora_targets).split(",") if t.strip()]
+        bad = [t for t in names if t not in TARGETS]
+        if bad or not names:
+            raise ValueError(f"model.lora_targets: {bad or 'empty'} not in {list(TARGETS)} "
+                             f"(comma-separated, e.g. 'q,v' or 'q,k,v,o,gate,up,down')")
+        if model_cfg.lora_rank <= 0:
+            raise ValueError(f"model.lora_rank must be > 0 for LoRA, got {model_cfg.lora_rank}")
+        if model_cfg.lora_alpha <= 0:
+            raise ValueError(f"model.lora_alpha must be > 0, got {model_cfg.lora_alpha}")
+        if not 0.0 <= model_cfg.lora_dropout < 1.0:
+            raise ValueError(f"model.lora_dropout must be in [0, 1), got {model_cfg.lora_dropout}")
+        return cls(int(model_cfg.lora_rank), float(model_cfg.lora_alpha),
+                   float(model_cfg.lora_dropout), tuple(t for t in TARGETS if t in names))
+
+
+# -----------------------------------------------------------------------------
+# the adapted linear layer
+
+
+class LoraLinear(nn.Linear):
+    """nn.Linear whose output rows are split into named parts, some with a LoRA pair.
+
+    Keeps the base's `weight`/`bias` under their names (so model.state_dict() still holds the
+    base tensors where model.py expects them) and adds `lora_A.<part>` (r, in) and
+    `lora_B.<part>` (part_rows, r), fp32. Built from an existing nn.Linear by `wrap`.
+    """
+
+    @classmethod
+    def wrap(cls, base: nn.Linear, parts: list[tuple[str, int]], spec: LoraSpec) -> "LoraLinear":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = base.in_features, base.out_features
+        layer.weight, layer.bias = base.weight, base.bias  # the same Parameters: no copy
+        assert sum(n for _, n in parts) == base.out_features, (parts, base.out_features)
+        layer.parts = parts  # [(name, rows)] in output order, e.g. [("q", H D), ("k", Hk D), ("v", Hk D)]
+        layer.scaling = spec.scaling
+        layer.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
+        dev = base.weight.device
+        layer.lora_A = nn.ParameterDict({
+            name: nn.Parameter(torch.empty(spec.rank, base.in_features, device=dev, dtype=torch.float32))
+            for name, _ in parts if name in spec.targets})
+        layer.lora_B = nn.ParameterDict({
+            name: nn.Parameter(torch.zeros(rows, spec.rank, device=dev, dtype=torch.float32))
+            for name, rows in parts if name in spec.targets})
+        layer.merged = False
+        if dev.type != "meta":
+            layer.reset_adapters()
+        return layer
+
+    @torch.no_grad()
+    def reset_adapters(self):
+        """PEFT's init: A as nn.Linear's default (kaiming uniform), B = 0, so the delta is 0."""
+        for a in self.lora_A.values():
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        for b in self.lora_B.values():
+            b.zero_()
+
+    def forward(self, x):  # x (..., in) -> (..., out)
+        y = F.linear(x, self.weight, self.bias)
+        if self.merged:
+            if torch.is_grad_enabled() and any(a.requires_grad for a in self.lora_A.values()):
+                raise RuntimeError("LoRA adapters are merged into the weights: no gradient would "
+                                   "reach them; unmerge (leave lora.merged) before training")
+            return y
+        # PEFT draws one dropout mask per HF module; the fused parts share x, hence one mask here
+        # (each part's mask has the same distribution; only their correlation differs)
+        h = self.lora_dropout(x)
+        deltas = []
+        for name, rows in self.parts:
+            if name in self.lora_A:  # fp32 params cast to the compute dtype (FSDP2 mp does it already)
+                a, b = self.lora_A[name], self.lora_B[name]
+                deltas.append(F.linear(F.linear(h, a.to(h.dtype)), b.to(h.dtype)) * self.scaling)
+            else:
+                deltas.append(y.new_zeros(*y.shape[:-1], rows))
+        return y + (deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1))
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """(out, in) fp32: scaling * B A per part, zero rows for untargeted parts."""
+        rows = []
+        for name, n in self.parts:
+            if name in self.lora_A:
+                rows.append(self.lora_B[name].float() @ self.lora_A[name].float() * self.scaling)
+            else:
+                rows.append(torch.zeros(n, self.in_features, device=self.weight.device))
+        return torch.cat(rows, 0)
+
+    def extra_repr(self):
+        return (f"{self.in_features}, {self.out_features}, parts={[p for p, _ in self.parts]}, "
+                f"lora={list(self.lora_A)}, scaling={self.scaling:g}")
+
+
+# -----------------------------------------------------------------------------
+# applying to a model
+
+
+def _part_rows(model) -> dict[str, list[tuple[str, int]]]:
+    a = model.config
+    q, kv, i = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim, a.intermediate_size
+    return {"self_attn.qkv_proj": [("q", q), ("k", kv), ("v", kv)],
+            "self_attn.o_proj": [("o", a.hidden_size)],
+            "mlp.gate_up_proj": [("gate", i), ("up", i)], "mlp.down_proj": [("down", a.hidden_size)]}
+
+
+def apply(model, model_cfg) -> LoraSpec:
+    """Freeze every parameter of `model`, then swap in LoraLinear where lora_targets asks.
+
+    On the meta device the adapters are meta too: after to_empty, call reset_adapters on each
+    of lora_layers(model) (or load an adapter).
+    model_cfg: config.ModelConfig (or anything with the lora_* attributes). Returns the spec.
+    """
+    spec = LoraSpec.from_config(model_cfg)
+    if lora_layers(model):
+        raise ValueError("LoRA is already applied to this model")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    rows = _part_rows(model)
+    for block in model.layers:
+        for path, parts in rows.items():
+            if not any(name in spec.targets for name, _ in parts):
+                continue
+            parent_name, child = path.split(".")
+            parent = getattr(block, parent_name)
+            setattr(parent, child, LoraLinear.wrap(getattr(parent, child), parts, spec))
+    model.lora_spec = spec
+    return spec
+
+
+def lora_layers(model) -> dict[str, LoraLinear]:
+    """{module name: layer}, e.g. "layers.0.self_attn.qkv_proj"."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def adapter_state_dict(model) -> dict[str, torch.Tensor]:
+    """Only the adapters, in this model's names (…qkv_proj.lora_A.q)."""
+    return {k: v for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k}
+
+
+# -----------------------------------------------------------------------------
+# merging (the sampler: plain matmuls instead of 2 extra small ones per part)
+
+
+@torch.no_grad()
+def merge(model):
+    """W += scaling B A in place (fp32 math, rounded once to W's dtype)."""
+    for layer in lora_layers(model).values():
+        if not layer.merged:
+            layer.weight.add_(layer.delta_weight().to(layer.weight.dtype))
+            layer.merged = True
+
+
+@torch.no_grad()
+def unmerge(model):
+    """W -= scaling B A. Not bit-exact (one more rounding): fp32 ~1e-7 relative, bf16 ~4e-3."""
+    for layer in lora_layers(model).values():
+        if layer.merged:
+            layer.weight.sub_(layer.delta_weight().to(layer.weight.dtype))
+            layer.merged = False
+
+
+@contextlib.contextmanager
+def merged(model):
+    """Adapters folded into the weights for the duration (e.g. a rollout); exact restore on exit.
+
+    Under FSDP2 it gathers every sharded module's full weights (as distributed.unsharded does)
+    and merges into those gathered copies; the exit reshards, which drops them, so the sharded
+    base never changes and the next forward gathers it afresh (no extra memory). Without FSDP2
+    it keeps a copy of the adapted weights and copies them back: unmerge's subtraction would
+    move the frozen base by a rounding each rollout (bf16: ~4e-3 relative), and resume would
+    no longer be exact.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in sharded:  # reshard_after_forward off: a forward must not swap the merged copies out
+        m.unshard()
+        m.set_reshard_after_forward(False, recurse=False)
+    layers = lora_layers(model).values()
+    originals = [] if sharded else [layer.weight.detach().clone() for layer in layers]
+    merge(model)
+    try:
+        yield model
+    finally:
+        for m in sharded:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
+        with torch.no_grad():
+            for layer, w in zip(layers, originals):
+                layer.weight.copy_(w)
+        for layer in layers:
+            layer.merged = False
+
+
+@torch.no_grad()
+def merged_state_dict(model, state_dict=None) -> dict[str, torch.Tensor]:
+    """Base names only (what model.save_pretrained writes), weights with the adapters merged.
+
+    state_dict: a full state dict of the LoRA model (e.g. FSDP2's get_model_state_dict with
+    full_state_dict=True); default model.state_dict(). The model itself is left unchanged.
+    """
+    if any(layer.merged for layer in lora_layers(model).values()):
+        raise RuntimeError("merged_state_dict: the adapters are merged into the weights already")
+    sd = dict(model.state_dict() if state_dict is None else state_dict)
+    scaling = model.lora_spec.scaling
+    for name, layer in lora_layers(model).items():
+        w = sd[f"{name}.weight"]
+        delta = torch.zeros(w.shape, dtype=torch.float32, device=w.device)  # (out, in)
+        start = 0
+        for part, rows in layer.parts:
+            if part in layer.lora_A:
+                a = sd.pop(f"{name}.lora_A.{part}").float().to(w.device)  # (r, in)
+                b = sd.pop(f"{name}.lora_B.{part}").float().to(w.device)  # (rows, r)
+                delta[start:start + rows] = b @ a * scaling
+            start += rows
+        sd[f"{name}.weight"] = (w.float() + delta).to(w.dtype)
+    return sd
+
+
+# -----------------------------------------------------------------------------
+# PEFT format: adapter_config.json + adapter_model.safetensors
+
+
+def _to_peft_name(ours: str) -> str:
+    """layers.3.self_attn.qkv_proj.lora_A.q -> base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"""
+    layer, rest = ours.split(".self_attn.", 1) if ".self_attn." in ours else ours.split(".mlp.", 1)
+    kind, part = rest.split(".")[-2:]  # lora_A|lora_B, q|k|...
+    return f"{PEFT_PREFIX}{layer}.{HF_MODULE[part]}.{kind}.weight"
+
+
+def save_adapter(model, folder, base_path: str = "", state_dict=None):
+    """Write `folder`/adapter_config.json + adapter_model.safetensors (PEFT's layout and names).
+
+    state_dict: the model's full state dict (e.g. from FSDP2, on rank 0); default model's own.
+    base_path: recorded as base_model_name_or_path (PEFT reads it to find the base model).
+    """
+    spec = model.lora_spec
+    sd = adapter_state_dict(model) if state_dict is None else \
+        {k: v for k, v in state_dict.items() if ".lora_A." in k or ".lora_B." in k}
+    tensors = {_to_peft_name(k): v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
+    os.makedirs(folder, exist_ok=True)
+    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_path),
+           "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
+           "target_modules": sorted(HF_MODULE[t].split(".")[1] for t in spec.targets),
+           "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True, "use_rslora": False,
+           "use_dora": False, "modules_to_save": None, "inference_mode": True}
+    tmp = os.path.join(folder, "adapter_model.safetensors.tmp")
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(folder, "adapter_model.safetensors"))  # no half-written file
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def read_adapter(model, folder) -> dict[str, torch.Tensor]:
+    """A PEFT adapter folder -> adapter state dict in this (LoRA-applied) model's names.
+
+    Checks the folder's rank, alpha and targets against the model's spec and every tensor's
+    name and shape; raises ValueError naming what differs.
+    """
+    cfg_file, w_file = (os.path.join(folder, f) for f in ("adapter_config.json", "adapter_model.safetensors"))
+    if not (os.path.isfile(cfg_file) and os.path.isfile(w_file)):
+        raise ValueError(f"{folder!r} is not a PEFT adapter folder (needs adapter_config.json "
+                         "and adapter_model.safetensors)")
+    with open(cfg_file) as f:
+        cfg = json.load(f)
+    spec = model.lora_spec
+    targets = cfg.get("target_modules")
+    targets = sorted([targets] if isinstance(targets, str) else targets or [])
+    want = {"peft_type": "LORA", "r": spec.rank, "lora_alpha": spec.alpha,
+            "target_modules": sorted(HF_MODULE[t].split(".")[1] for t in spec.targets),
+            "use_rslora": False, "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}}
+    have = {**cfg, "target_modules": targets, "r": cfg.get("r", 8), "lora_alpha": cfg.get("lora_alpha", 8), "use_rslora": cfg.get("use_rslora", False),
+            "use_dora": cfg.get("use_dora", False), "rank_pattern": cfg.get("rank_pattern") or {},
+            "alpha_pattern": cfg.get("alpha_pattern") or {}}
+    diff = [f"{k}: folder {have.get(k)!r} vs model {v!r}" for k, v in want.items()
+            if (float(have.get(k)) != float(v) if k == "lora_alpha" else have.get(k) != v)]
+    if diff:
+        raise ValueError(f"adapter {folder!r} does not match this model's LoRA config:\n  " + "\n  ".join(diff))
+    ours = adapter_state_dict(model)
+    by_peft = {_to_peft_name(k): k for k in ours}
+    file_sd = load_file(w_file)
+    file_sd = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
+               for k, v in file_sd.items()}
+    missing, unexpected = sorted(set(by_peft) - set(file_sd)), sorted(set(file_sd) - set(by_peft))
+    bad = [f"{k}: file {tuple(file_sd[k].shape)} vs model {tuple(ours[by_peft[k]].shape)}"
+           for k in sorted(set(file_sd) & set(by_peft)) if file_sd[k].shape != ours[by_peft[k]].shape]
+    if missing or unexpected or bad:
+        raise ValueError(f"adapter {folder!r} does not fit this model:"
+                         + (f"\n  missing: {missing[:4]}{' ...' if len(missing) > 4 else ''}" if missing else "")
+                         + (f"\n  unexpected: {unexpected[:4]}" if unexpected else "")
+                         + (f"\n  shape mismatches: {bad[:4]}" if bad else ""))
+    return {by_peft[k]: v.to(torch.float32) for k, v in file_sd.items()}
+
+
+@torch.no_grad()
+def load_adapter(model, folder):
+    """Copy a PEFT adapter folder into the model's adapters (unsharded model; under FSDP2 pass
+    read_adapter's dict to set_model_state_dict instead)."""
+    sd = read_adapter(model, folder)
+    params = dict(model.named_parameters())
+    for k, v in sd.items():
+        params[k].copy_(v)
+
+
+# -----------------------------------------------------------------------------
+# memory
+
+
+def memory_estimate(model, world: int, base_bytes: int = 2) -> dict:
+    """GB per device of the weight states under LoRA, sharded over `world` ranks.
+
+    The frozen base in its own dtype (base_bytes: 2 for bf16) and no grads or AdamW moments
+    for it; the adapters in fp32 with fp32 grads and two fp32 moments. Counts the model's
+    parameters (works on a meta-device model): replaces the full fine-tune's params, grads
+    and adam entries of distributed.memory_estimate; rollout weights, KV cache and activations
+    are those of the full fine-tune.
+    """
+    gb = 1024 ** 3
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"params": (base_bytes * frozen + 4 * trainable) / world / gb,
+            "grads": 4 * trainable / world / gb, "adam": 8 * trainable / world / gb,
+            "trainable_params": trainable, "frozen_params": frozen}
+
+
+def main(argv=None):
+    """Print the per-device memory of a config's LoRA run next to its full fine-tune."""
+    import config as C
+    import distributed
+    from model import ModelArgs, Transformer
+    argv = list(sys.argv[1:] if argv is None else argv)
+    worlds = [int(a.split("=", 1)[1]) for a in argv if a.startswith("--world=")] or [1, 2, 4, 8]
+    cfg = C.load_config([a for a in argv if not a.startswith("--world=")])
+    path = os.path.join(cfg.model.path, "config.json")
+    if not os.path.isfile(path):
+        sys.exit(f"error: {path} not found: model.path must be a local HF folder (only config.json is read)")
+    with open(path) as f, torch.device("meta"):
+        model = Transformer(ModelArgs.from_hf(json.load(f)))
+    full_by_world = {w: distributed.memory_estimate(model, cfg, w) for w in worlds}  # before LoRA
+    spec = apply(model, cfg.model)
+    print(f"LoRA rank {spec.rank}, alpha {spec.alpha:g}, targets {','.join(spec.targets)}")
+    for world, full in full_by_world.items():
+        lo = memory_estimate(model, world)
+        lora_total = full["total"] - full["params"] - full["grads"] - full["adam"] \
+            + lo["params"] + lo["grads"] + lo["adam"]
+        print(f"world {world}: full fine-tune {full['total']:.1f} GB/device, LoRA {lora_total:.1f} GB/device "
+              f"(weights+grads+adam {lo['params'] + lo['grads'] + lo['adam']:.1f} vs "
+              f"{full['params'] + full['grads'] + full['adam']:.1f}; trainable {lo['trainable_params'] / 1e6:.1f}M "
+              f"of {(lo['trainable_params'] + lo['frozen_params']) / 1e9:.2f}B)")
+
+
+if __name__ == "__main__":
+    main()

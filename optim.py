@@ -1,0 +1,37 @@
+"""The optimizer and its learning-rate schedule, shared by the SFT warm start and GRPO.
+
+AdamW over the parameters train.py passes: under FSDP2 these are the fp32 master shards, so the
+moments are fp32 and sharded too, whatever model.dtype computes in.
+
+    opt, sched = make_optimizer(model, cfg.optim, lr, warmup_steps, total_steps)
+
+Tests: pytest tests/test_train.py -k lr_schedule
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+import config as C
+
+# -----------------------------------------------------------------------------
+
+
+def lr_lambda(warmup: int, total: int, schedule: str = "constant", min_ratio: float = 0.0):
+    """Multiplier of the base lr at optimizer step `step`: linear warmup over `warmup` steps, then
+    constant or cosine down to min_ratio at `total`."""
+    def f(step):
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "cosine":
+            t = min(1.0, (step - warmup) / max(1, total - warmup))
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+        return 1.0
+    return f
+
+
+def make_optimizer(model, o: C.OptimConfig, lr: float, warmup: int, total: int):
+    """AdamW over the (fp32 master) parameters + its LambdaLR schedule."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total, o.schedule, o.min_lr_ratio))

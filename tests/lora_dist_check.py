@@ -1,0 +1,139 @@
+"""FSDP2 check of a LoRA model on 2 ranks (or 1), launched by tests/test_lora.py.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 tests/lora_dist_check.py
+
+Every rank builds the same Qwen2-shaped Transformer with LoRA on all seven projections (random
+B, so every adapter gets a gradient) and the same global batch; each rank takes half the rows.
+Prints one `RESULT <case> ... ok|MISMATCH` line per case on rank 0, exits non-zero on a mismatch:
+- fp32:         fully_shard per block + root; the gathered adapter gradients equal the
+                1-process gradient on the whole batch; the frozen base gets none.
+- bf16_base:    frozen base in bf16, adapters in fp32 in the same fully_shard groups (FSDP2
+                requires one dtype only among the trainable parameters of a group), bf16
+                compute / fp32 reduce; grads fp32 on adapters only, close to the fp32
+                reference; an AdamW step changes adapters only.
+- merged_unsharded, merged_bf16: lora.merged on the sharded model (fp32; bf16 base and compute)
+                gives the adapter forward's logits, and its exit leaves the sharded base
+                bit-identical (the merge wrote into the gathered copies).
+"""
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import config as C  # noqa: E402
+import lora  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+
+V, B, T = 37, 6, 11
+
+
+def build():
+    torch.manual_seed(0)
+    a = ModelArgs(model_type="qwen2", vocab_size=V, hidden_size=24, intermediate_size=40,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=6,
+                  tie_word_embeddings=True, qkv_bias=True)
+    model = Transformer(a)
+    with torch.no_grad():
+        model.embed_tokens.weight.normal_(0, 0.1)
+    lora.apply(model, C.ModelConfig(lora_rank=4, lora_alpha=8.0, lora_targets="q,k,v,o,gate,up,down"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.1)
+    return model
+
+
+def loss_on(model, ids, rows):
+    logp, _ = model(ids[rows, :-1], targets=ids[rows, 1:])
+    return -logp.sum() / (B * T)  # global token mean: each rank's share of the same normaliser
+
+
+def shard(model, mp=None):
+    for block in model.layers:
+        fully_shard(block, mp_policy=mp or MixedPrecisionPolicy())
+    fully_shard(model, mp_policy=mp or MixedPrecisionPolicy())
+    return model
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = build()
+    ids = torch.randint(0, V, (B, T + 1), generator=torch.Generator().manual_seed(1))
+    rows = torch.arange(B).chunk(world)[rank]
+    results = {}
+
+    # 1-process reference on the whole batch
+    ref = copy.deepcopy(base)
+    loss_on(ref, ids, torch.arange(B)).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+
+    # fp32: adapter grads gathered == reference; no grads on the frozen base
+    model = shard(copy.deepcopy(base))
+    (loss_on(model, ids, rows) * world).backward()  # FSDP2's reduce-scatter averages over ranks
+    diff = max((full(p.grad) - ref_grads[n]).abs().max().item()
+               for n, p in model.named_parameters() if p.requires_grad)
+    no_base_grads = all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    results["fp32"] = (diff <= 1e-6 * max(1.0, scale) and no_base_grads, f"max_grad_diff={diff:.2e}")
+
+    # bf16 base + fp32 adapters in the same groups, bf16 compute / fp32 reduce
+    model = copy.deepcopy(base)
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    shard(model, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    (loss_on(model, ids, rows) * world).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    dtypes_ok = (all(g is not None and g.dtype == torch.float32 for g in grads.values())
+                 and all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+                 and all(p.dtype == torch.bfloat16 and p.grad is None
+                         for p in model.parameters() if not p.requires_grad))
+    rel = max((full(g) - ref_grads[n]).norm().item() / ref_grads[n].norm().item() for n, g in grads.items())
+    frozen_before = {n: full(p).clone() for n, p in model.named_parameters() if not p.requires_grad}
+    adapters_before = {n: full(p).clone() for n, p in model.named_parameters() if p.requires_grad}
+    torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2).step()
+    stepped = (all(torch.equal(full(p), frozen_before[n]) for n, p in model.named_parameters() if not p.requires_grad)
+               and all(not torch.equal(full(p), adapters_before[n])
+                       for n, p in model.named_parameters() if p.requires_grad))
+    results["bf16_base"] = (dtypes_ok and rel < 0.05 and stepped, f"max_rel_grad_err={rel:.2e}")
+
+    # merged on the sharded model: same logits, sharded base untouched (fp32; bf16 base + compute)
+    for case, bf16, tol in (("merged_unsharded", False, 1e-5), ("merged_bf16", True, 0.1)):
+        model = copy.deepcopy(base)
+        if bf16:
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
+        shard(model, MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else None)
+        local_before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            want = model(ids[:, :-1]).float()
+            with lora.merged(model):
+                got = model(ids[:, :-1]).float()
+                merged_diff = (got - want).abs().max().item()
+            after = model(ids[:, :-1]).float()
+        untouched = all(torch.equal(p.to_local(), local_before[n]) for n, p in model.named_parameters())
+        results[case] = (merged_diff <= tol and untouched and torch.equal(after, want),
+                         f"merged_vs_adapter={merged_diff:.2e}")
+
+    ok = True
+    for case, (good, info) in results.items():
+        ok &= good
+        if rank == 0:
+            print(f"RESULT {case} {info} {'ok' if good else 'MISMATCH'}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Every recipe in configs/ stays runnable: it loads (config.load_config), its paths have the right
+shape, and it runs one tiny GRPO step when its model and data paths are pointed at the embedded
+default's (the toy set + a tiny random model, built once for all configs). Everything else (the
+protocol, the conversation format, SFT, KL, dynamic sampling, activation checkpointing, the loss)
+stays as the config says, so a recipe that rots fails here. ~1 min on 2 cores, one process.
+
+    .venv/bin/pytest tests/test_configs.py -q
+"""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT
+
+import config as C
+import train
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+# the sizes of a tiny step; every other key keeps the recipe's value
+SMALL = ["--model.dtype=float32", "--wandb.mode=disabled", "--train.steps=1", "--train.eval_every=0",
+         "--train.save_every=0", "--train.sample_every=1", "--train.resume=false", "--train.threads=0",
+         "--grpo.prompts_per_step=2", "--grpo.group_size=2", "--grpo.max_resample_rounds=1",
+         "--sampling.max_new_tokens=12", "--sampling.max_context=2048", "--sampling.kv_budget_tokens=100000",
+         "--data.max_eval_examples=2", "--data.max_train_examples=8", "--env.workers=1",
+         "--optim.micro_batch_tokens=4096"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """The toy set and a tiny model, built once (train.prepare_assets, as a run would)."""
+    d = tmp_path_factory.mktemp("assets")
+    paths = [f"--data.train_path={d}/toy/train.jsonl", f"--data.eval_path={d}/toy/eval.jsonl",
+             f"--data.db_root={d}/toy", "--data.prepare_toy=true", f"--model.path={d}/model",
+             "--model.build_tiny=true", "--model.tiny_hidden_size=32", "--model.tiny_layers=1",
+             "--model.tiny_heads=2", "--model.tiny_kv_heads=1", "--model.tiny_intermediate_size=64",
+             "--model.tiny_vocab_size=512"]
+    train.prepare_assets(C.load_config(paths))
+    return paths
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_config_loads_with_paths_of_the_right_shape(path):
+    cfg = C.load_config([str(path)])
+    text = path.read_text()
+    assert text.startswith("#"), f"{path.name}: open with a comment saying what the recipe is and how to run it"
+    assert f"train.py configs/{path.name}" in text.split("\nmodel:")[0], f"{path.name}: header lacks its command"
+    assert cfg.model.path and not cfg.model.path.endswith((".json", ".safetensors")), "model.path is a folder"
+    assert cfg.model.build_tiny or not cfg.model.path.startswith("runs/"), "a real model is not built under runs/"
+    for p in (cfg.data.train_path, cfg.data.eval_path):
+        assert p.endswith(".jsonl"), f"{path.name}: {p} is not a canonical jsonl (dataset.py)"
+    assert cfg.data.db_root and cfg.train.out_dir.startswith("runs/")
+    if not cfg.data.prepare_toy:  # a real data set: its files are prepared by a script in data/
+        assert not cfg.data.train_path.startswith("runs/toy")
+    for group, keys in yaml.safe_load(text).items():  # every key of the file reached the config
+        for k, v in keys.items():
+            got = getattr(getattr(cfg, group), k)
+            assert got == (float(v) if isinstance(got, float) else v), f"{group}.{k}"
+
+
+def test_configs_have_their_own_out_dirs():
+    out = [C.load_config([str(p)]).train.out_dir for p in CONFIGS]
+    assert len(set(out)) == len(out), out
+
+
+def test_conversation_recipe_differs_only_in_format():
+    base = C.to_dict(C.load_config([str(ROOT / "configs/skyrl_sql_7b.yaml")]))
+    conv = C.to_dict(C.load_config([str(ROOT / "configs/skyrl_sql_7b_conversation.yaml")]))
+    diff = {f"{g}.{k}" for g in base for k in base[g] if base[g][k] != conv[g][k]}
+    assert diff == {"env.conversation", "train.out_dir", "wandb.name"}
+    assert conv["env"]["conversation"] == "conversation"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_config_runs_one_tiny_step(path, assets, tmp_path, monkeypatch, capsys):
+    recipe = C.load_config([str(path)])
+    out = tmp_path / "run"
+    sft = [f"--sft.steps={min(recipe.sft.steps, 1)}", "--sft.batch_size=2"]
+    live = ["--train.plot_every=1"] if path.stem == "tiny" else []  # train.py's live plot hook, once
+    argv = [str(path), *assets, *SMALL, *sft, *live, f"--train.out_dir={out}"]
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    train.main()
+    log = capsys.readouterr().out
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    keys = {k for r in recs for k in r}
+    assert {"train/reward", "train/kept_frac", "eval/ex", "eval/random_ex", "run/done"} <= keys, keys
+    assert recs[-1] == {"step": 1, "run/done": 1.0}
+    assert "[random baseline] EX" in log and "--- sample" in log and "tool calls" in log
+    if recipe.sft.steps:
+        assert "sft/loss" in keys
+    if live and importlib.util.find_spec("matplotlib"):
+        assert (out / "metrics.png").stat().st_size > 10_000
+    # the run used the recipe's settings (only the sizes and paths above were changed)
+    saved = yaml.safe_load((out / "ckpt_000001" / "config.yaml").read_text())
+    for group in ("env", "reward", "grpo"):
+        want = C.to_dict(C.load_config([str(path), *SMALL]))[group]
+        assert saved[group] == want, group
+    assert saved["model"]["activation_checkpointing"] == recipe.model.activation_checkpointing
+    assert saved["env"]["protocol"] == recipe.env.protocol
+    assert saved["env"]["conversation"] == recipe.env.conversation
+    assert Path(saved["model"]["path"]).parent == Path(assets[4].split("=", 1)[1]).parent

@@ -1,0 +1,134 @@
+"""Training infrastructure details: the end-of-turn token SFT appends, the bounded gold cache,
+the SQL pool size per rank, prompt-length filtering, the eval temperature, the episode dict.
+
+    pytest -q tests/test_infra.py
+"""
+import types
+
+import pytest
+import torch
+
+import config as C
+import dataset
+import reward
+import sandbox
+import sft
+import tiny
+import train
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    tiny.build_tiny(str(d), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+# -----------------------------------------------------------------------------
+# SFT's end of turn
+
+
+def test_end_of_turn_is_the_chat_templates_token(tok):
+    assert tok.convert_ids_to_tokens(sft.end_of_turn_id(tok)) == "<|im_end|>"  # Qwen's ChatML
+    # a Llama-3-style template closes turns with <|eot_id|>, not <|im_end|> nor its eos
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|end_of_text|>"]})
+    old_template, old_eos = tok.chat_template, tok.eos_token
+    try:
+        tok.chat_template = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                             "{{ m['content'] }}<|eot_id|>{% endfor %}")
+        tok.eos_token = "<|end_of_text|>"
+        assert tok.convert_ids_to_tokens(sft.end_of_turn_id(tok)) == "<|eot_id|>"
+        tok.chat_template = None  # no template: the eos token
+        assert sft.end_of_turn_id(tok) == tok.convert_tokens_to_ids("<|end_of_text|>")
+    finally:
+        tok.chat_template, tok.eos_token = old_template, old_eos
+
+
+# -----------------------------------------------------------------------------
+# gold cache, SQL pool size
+
+
+def result(n_rows):
+    return sandbox.SqlResult(ok=True, rows=[(i,) for i in range(n_rows)])
+
+
+def test_gold_cache_is_an_lru_bounded_by_entries_and_rows():
+    c = reward.GoldCache(max_entries=3, max_rows=10)
+    for k in "abc":
+        c[k] = result(2)
+    assert c.get("a") is not None  # "a" is now the most recent
+    c["d"] = result(2)  # 4 entries > 3: the least recent ("b") goes
+    assert "b" not in c and all(k in c for k in "acd") and c.rows == 6
+    c["e"] = result(7)  # rows 13 > 10: evict from the old end (c, then a) until it fits
+    assert list(c.items) == ["d", "e"] and c.rows == 9
+    c["huge"] = result(11)  # larger than the bound alone: not kept, nothing else lost
+    assert list(c.items) == ["d", "e"] and c.rows == 9
+
+
+def test_match_batch_survives_eviction_within_one_call(tmp_path, monkeypatch):
+    import sqlite3
+    db = tmp_path / "d.sqlite"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE t(x)")
+    con.executemany("INSERT INTO t VALUES (?)", [(i,) for i in range(5)])
+    con.commit()
+    con.close()
+    monkeypatch.setattr(reward, "_GOLD", reward.GoldCache(max_entries=1))
+    golds = [f"SELECT x FROM t WHERE x < {k}" for k in range(1, 4)]
+    reward.match_batch([(str(db), g, g) for g in golds], workers=1)  # fills (and evicts) the cache
+    out = reward.match_batch([(str(db), g, g) for g in golds + golds[:1]], workers=1)
+    assert [m for m, _ in out] == [True] * 4 and len(reward._GOLD) == 1
+
+
+def test_sql_pool_divides_the_cores_by_the_local_ranks(monkeypatch):
+    monkeypatch.setattr(sandbox.os, "cpu_count", lambda: 64)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert sandbox.default_workers() == 8
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert sandbox.default_workers() == 64
+    monkeypatch.setattr(sandbox.os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert sandbox.default_workers() == 1
+
+
+# -----------------------------------------------------------------------------
+# data: prompt lengths, db paths, episodes
+
+
+def test_fit_prompts_drops_long_ones_and_those_leaving_no_room():
+    exs = [{"id": str(i)} for i in range(5)]
+    kept, dropped = dataset.fit_prompts(exs, [10, 60, 50, 99, 100], max_prompt_tokens=60, max_context=1000)
+    assert [e["id"] for e in kept] == ["0", "1", "2"] and dropped == 2
+    # max_context 100: a 99-token prompt leaves one token, a 100-token one none (never an empty episode)
+    kept, dropped = dataset.fit_prompts(exs, [10, 60, 50, 99, 100], max_prompt_tokens=6000, max_context=100)
+    assert [e["id"] for e in kept] == ["0", "1", "2", "3"] and dropped == 1
+
+
+def test_episode_uses_the_one_db_path_resolution(tmp_path):
+    ex = {"db_path": "database/a/a.sqlite", "gold_sql": "SELECT 1"}
+    t = types.SimpleNamespace(text="r", final_sql="SELECT 2", finished=True, steps=[])
+    e = reward.episode(t, ex, tmp_path)
+    assert e["db_path"] == dataset.abs_db_path(ex, tmp_path) == str((tmp_path / "database/a/a.sqlite").resolve())
+    assert e["final_sql"] == "SELECT 2" and reward.episode(t, ex, tmp_path, "SELECT 3")["final_sql"] == "SELECT 3"
+    assert dataset.abs_db_path({**ex, "db_file": "/x/y.sqlite"}, tmp_path) == "/x/y.sqlite"
+
+
+# -----------------------------------------------------------------------------
+# eval temperature
+
+
+@pytest.mark.parametrize("T", [0.0, 0.8])
+def test_train_eval_decodes_at_sampling_eval_temperature(T, monkeypatch):
+    seen = {}
+
+    def fake_run_episodes(model, tok, exs, cfg, *, n, seed, greedy, sampling=None, mem=None):
+        seen.update(greedy=greedy, temperature=(sampling or cfg.sampling).temperature)
+        return [], [], 0.0, 0.0
+
+    monkeypatch.setattr(train, "run_episodes", fake_run_episodes)
+    cfg = C.load_config([f"--sampling.eval_temperature={T}", "--sampling.temperature=0.6"])
+    log = types.SimpleNamespace(metrics=lambda *a: None, print=lambda *a: None)
+    train.evaluate(None, None, [], cfg, 0, 1, torch.device("cpu"), log, 0)
+    assert seen == ({"greedy": True, "temperature": 0.6} if T == 0 else {"greedy": False, "temperature": 0.8})
+    assert cfg.sampling.temperature == 0.6  # the training temperature is untouched

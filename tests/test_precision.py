@@ -1,0 +1,109 @@
+"""fp32 master weights with bf16 compute on one rank: the same FSDP2 path as N ranks.
+
+setup_dist() builds a one-rank gloo group in-process (no torchrun, no network), shard() wraps
+the fp32 model with a bf16 MixedPrecisionPolicy. A step at lr 1e-6 must move the fp32 weights
+by exactly AdamW's step computed by hand from the gradient (bf16 weights could not hold it),
+and unsharded() must gather every block (FSDP2's unshard is not recursive) and free them after.
+
+    pytest -q tests/test_precision.py
+"""
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import distributed
+from model import ModelArgs, Transformer
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    rank, world, device = distributed.setup_dist(60)
+    assert (rank, world) == (0, 1)
+    return device
+
+
+def tiny_transformer(seed=0):
+    torch.manual_seed(seed)
+    a = ModelArgs(model_type="qwen2", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True, qkv_bias=True)
+    return Transformer(a)
+
+
+def full(p):
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+
+
+# -----------------------------------------------------------------------------
+
+
+def test_bf16_compute_updates_fp32_masters_by_the_adamw_step(one_rank):
+    model = distributed.shard(tiny_transformer().to(one_rank), torch.bfloat16)
+    names = [n for n, _ in model.named_parameters()]
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters
+    lr, eps, wd, b1, b2 = 1e-6, 1e-8, 0.01, 0.9, 0.999
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    seen = []  # the dtype a block's weight has inside forward
+    h = model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(next(m.parameters()).dtype))
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1)).to(one_rank)
+    logp, _ = model(ids[:, :-1], targets=ids[:, 1:], temperature=1.0)
+    h.remove()
+    assert seen == [torch.bfloat16] and logp.dtype in (torch.bfloat16, torch.float32)
+    (-logp.float().mean()).backward()
+    before = {n: full(p) for n, p in model.named_parameters()}
+    grads = {n: full(p.grad) for n, p in model.named_parameters()}
+    assert all(g.dtype == torch.float32 for g in grads.values())
+    opt.step()
+    moved = 0
+    for n, p in model.named_parameters():
+        g, w = grads[n].double(), before[n].double()
+        # AdamW's first step by hand: decay, then m̂ = g, v̂ = g², step = lr·m̂/(√v̂ + eps)
+        m_hat, v_hat = (1 - b1) * g / (1 - b1), (1 - b2) * g * g / (1 - b2)
+        expected = w * (1 - lr * wd) - lr * m_hat / (v_hat.sqrt() + eps)
+        got = full(p).double()
+        assert p.dtype == torch.float32
+        # fp32 arithmetic: within one fp32 ulp of |w| (1.2e-7 near 1), far below the 1e-6 step
+        assert ((got - expected).abs() <= 2 ** -23 * w.abs() + 1e-10).all(), n
+        moved += int(((got - w).abs() > 5e-7).sum())
+    # the step is ~1e-6: a bf16 copy of these weights (spacing ~1e-3 near 0.3) would not have moved
+    assert moved > 0.5 * sum(before[n].numel() for n in names)
+    w = before["layers.0.mlp.down_proj.weight"] if "layers.0.mlp.down_proj.weight" in before else next(iter(before.values()))
+    assert (w.bfloat16().float() == (w - 1e-6).bfloat16().float()).float().mean() > 0.9
+
+
+def test_unsharded_gathers_every_block_then_frees_them(one_rank):
+    model = distributed.shard(tiny_transformer().to(one_rank), torch.bfloat16)
+    units = distributed.fsdp_modules(model)
+    assert len(units) == 1 + len(model.layers)
+    with distributed.unsharded(model):
+        for n, p in model.named_parameters():  # every parameter gathered, in the compute dtype
+            assert not isinstance(p, DTensor) and p.dtype == torch.bfloat16, n
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3]], device=one_rank))
+        for n, p in model.named_parameters():  # a forward inside does not reshard anything
+            assert not isinstance(p, DTensor), n
+    for n, p in model.named_parameters():  # back to the fp32 shards only
+        assert isinstance(p, DTensor) and p.dtype == torch.float32, n
+    # the training policy is back: blocks reshard after forward, the root keeps its weights
+    groups = [u._get_fsdp_state()._fsdp_param_group for u in units]
+    assert groups[0].post_forward_mesh_info is None
+    assert all(g.post_forward_mesh_info is not None for g in groups[1:])
+
+
+def test_param_count_is_global_under_fsdp2(one_rank):
+    plain = tiny_transformer()
+    n = sum(p.numel() for p in plain.parameters())
+    assert distributed.param_count(distributed.shard(plain.to(one_rank), torch.float32)) == n
+
+
+def test_peak_memory_per_phase(one_rank):
+    mem = distributed.PeakMemory(one_rank)
+    with mem.phase("update"):
+        x = torch.ones(64, 1024, 1024, device=one_rank)  # 256 MiB
+        del x
+    with mem.phase("reward"):
+        pass
+    m = mem.metrics()
+    if one_rank.type != "cuda":  # off CUDA: no figures, and nothing breaks
+        assert m == {}
+        return
+    assert m["mem/update_peak_gb"] >= 0.25 > m["mem/reward_peak_gb"] and mem.metrics() == {}

@@ -1,0 +1,107 @@
+"""rollout_correction.py (sampler vs trainer logprobs: mismatch metrics, truncated / masked IS,
+the geometric sequence mask) against hand-computed values, and how policy_loss applies it.
+
+    .venv/bin/pytest tests/test_rollout_correction.py -q
+"""
+import math
+
+import pytest
+import torch
+
+from grpo import policy_loss
+from rollout_correction import RolloutIS, is_weights, mismatch_metrics
+
+L = math.log
+
+
+def approx(x, y, tol=1e-6):
+    return torch.allclose(torch.as_tensor(x, dtype=torch.float32),
+                          torch.as_tensor(y, dtype=torch.float32), atol=tol, rtol=tol)
+
+
+def batch():
+    """Row 0: token ratios r = π_old/π_rollout = [3, 0.4, 1]; row 1: [1.1, 1.1] and a padding
+    slot holding garbage; row 2: all padding."""
+    rollout = torch.full((3, 3), -2.0)
+    old = rollout + torch.tensor([[L(3), L(0.4), 0.0], [L(1.1), L(1.1), 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    rollout[1, 2] = float("nan")
+    old[2] = -float("inf")
+    return old, rollout, mask
+
+
+def test_mismatch_metrics_hand():
+    old, rollout, mask = batch()
+    met = mismatch_metrics(old, rollout, mask, tol=0.5)
+    d = [L(3), L(0.4), 0.0, L(1.1), L(1.1)]
+    assert approx(met["mismatch_abs_mean"], sum(abs(x) for x in d) / 5)
+    assert approx(met["mismatch_abs_max"], L(3))
+    # k3 of KL(π_rollout‖π_old) with r = π_old/π_rollout: r - 1 - log r per token
+    assert approx(met["mismatch_kl"], sum(math.exp(x) - 1 - x for x in d) / 5)
+    assert approx(met["mismatch_frac"], 2 / 5)  # |ln 3| and |ln 0.4| exceed 0.5
+    same = mismatch_metrics(old, old, mask)
+    assert all(v == 0 for v in same.values())
+
+
+@pytest.mark.parametrize("kind,want,extra", [
+    ("none", [[1, 1, 1], [1, 1, 0]], {}),
+    ("token-tis", [[2, 0.4, 1], [1.1, 1.1, 0]], {"is_cap_frac": 1 / 5}),  # min(r, 2)
+    ("token-mis", [[0, 0, 1], [1, 1, 0]], {"is_drop_frac": 2 / 5}),  # r outside [0.5, 2.5]
+    # sequence ratios: Π r = 1.2 and 1.21
+    ("seq-tis", [[1.2] * 3, [1.21, 1.21, 0]], {"is_cap_frac": 0.0}),
+    ("seq-mis", [[1, 1, 1], [1, 1, 0]], {"is_drop_frac": 0.0}),
+    # geometric means: 1.2^(1/3) = 1.0627 (outside 1 ± 0.05, dropped), 1.1 (dropped)
+    ("geo-mask", [[0, 0, 0], [0, 0, 0]], {"is_drop_frac": 1.0}),
+])
+def test_is_weights_hand(kind, want, extra):
+    old, rollout, mask = batch()
+    cfg = RolloutIS(kind, cap=2.0, low=0.5, high=2.5, delta=0.05)
+    w, met = is_weights(old, rollout, mask, cfg)
+    assert approx(w[:2], want) and (w[2] == 0).all() and not w.requires_grad
+    n = sum(map(sum, want))
+    assert approx(met["is_weight_mean"], n / 5)
+    for k, v in extra.items():
+        assert approx(met[k], v), k
+
+
+def test_sequence_bounds_and_geo_mask_keep():
+    old, rollout, mask = batch()
+    # seq-mis with β = 1.205 drops row 1 (Π r = 1.21) and keeps row 0 (1.2)
+    w, met = is_weights(old, rollout, mask, RolloutIS("seq-mis", low=0.5, high=1.205))
+    assert approx(w[:2], [[1, 1, 1], [0, 0, 0]]) and approx(met["is_drop_frac"], 2 / 5)
+    # δ = 0.07 keeps row 0 (1.0627) and drops row 1 (1.1)
+    w, _ = is_weights(old, rollout, mask, RolloutIS("geo-mask", delta=0.07))
+    assert approx(w[:2], [[1, 1, 1], [0, 0, 0]])
+    # seq-tis caps a long sequence's product: Π r = 1.21 with C = 1.15
+    w, met = is_weights(old, rollout, mask, RolloutIS("seq-tis", cap=1.15))
+    assert approx(w[:2], [[1.15] * 3, [1.15, 1.15, 0]]) and approx(met["is_cap_frac"], 1.0)
+
+
+def test_bad_kind_is_a_clear_error():
+    with pytest.raises(AssertionError, match="rollout_is must be one of"):
+        RolloutIS("tis")
+
+
+def test_policy_loss_applies_weights_to_pg_only():
+    # on-policy (logp = old, ρ = 1): per-token pg = -A, so the weighted loss is -Σ w A / norm;
+    # the KL term is not reweighted. token-tis weights [2, 0.4, 1] on row 0, [1.1, 1.1] on row 1.
+    old, rollout, mask = batch()
+    old = torch.where(mask.bool(), old, torch.zeros_like(old))
+    logp = old.clone().requires_grad_()
+    adv = torch.tensor([1.0, -2.0, 5.0])
+    ref = old + torch.where(mask.bool(), torch.full_like(old, L(2)), torch.zeros_like(old))
+    k3 = 2 - L(2) - 1
+    kw = dict(clip_low=0.2, clip_high=0.2, ref_logp=ref, kl_beta=0.1, norm=5)
+    plain, met0 = policy_loss(logp, old, adv, mask, **kw)
+    assert approx(plain, (-3 * 1 + 2 * 2 + 5 * 0.1 * k3) / 5)
+    assert "mismatch_kl" not in met0  # no rollout_logp: nothing logged
+    logged, met1 = policy_loss(logp, old, adv, mask, rollout_logp=rollout, **kw)
+    assert approx(logged, plain) and approx(met1["mismatch_abs_max"], L(3)) and "is_weight_mean" not in met1
+    tis, met = policy_loss(logp, old, adv, mask, rollout_logp=rollout, rollout_is=RolloutIS("token-tis"), **kw)
+    assert approx(tis, (-(2 + 0.4 + 1) + 2 * (1.1 + 1.1) + 5 * 0.1 * k3) / 5)
+    tis.backward()
+    # d/dlogp of -w A ρ at ρ = 1 is -w A; of β k3 it is β (1 - e^{ref - logp}) = -β
+    want = torch.tensor([[-2, -0.4, -1], [2.2, 2.2, 0], [0, 0, 0]]) / 5
+    want = want - 0.1 * mask / 5
+    assert approx(logp.grad, want)
+    assert approx(met["is_weight_mean"], (2 + 0.4 + 1 + 1.1 + 1.1) / 5)
