@@ -11,7 +11,7 @@ Records' db_path is relative to --out. Each record also carries `template` (for 
 Design: train and eval are split by database, as in Spider, but the schema vocabulary is shared
 within a family, so held-out accuracy is reachable for a tiny model that cannot learn to copy
 unseen identifiers. Gold SQL is short and canonical (uppercase keywords, single spaces, T1/T2).
-Two kinds of question, mixed (~45% need the tool):
+Two kinds of question, mixed (~73% need the tool):
   direct     every literal of the gold appears verbatim in the question (the model copies it);
   tool       the question names a category as people say it ("Paris", "pending") but the database
              stores a code ('Paris4', 'pending7', the digit drawn per database: toy_schemas.py),
@@ -40,7 +40,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: dataset.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # toy_schemas.py
 from dataset import make_record, write_jsonl  # noqa: E402
-from toy_schemas import FAMILIES, encode_categories, make_rows, write_db  # noqa: E402
+from toy_schemas import CODE_DIGITS, CODE_SEP, FAMILIES, encode_categories, make_rows, write_db  # noqa: E402
+
+CODE = re.compile(rf"([A-Za-z]+){re.escape(CODE_SEP)}(\d{{{CODE_DIGITS}}})")  # 'Paris4' -> ('Paris', '4')
 
 # many small databases: with 3 training databases per family the model memorised their codes
 # (and wrote them on held-out databases); with 12 it cannot, and copies from the observation
@@ -48,7 +50,10 @@ DBS_PER_FAMILY = 13  # the last one of each family is held out for eval
 TRAIN_PER_DB = 34  # 60 train dbs -> 2040 questions
 EVAL_PER_DB = 60  # 5 eval dbs -> 300 questions
 MAX_EMPTY_FRACTION = 0.05  # a template whose golds are emptier than this fails the build
-TOOL_WEIGHT = 3  # tool templates come up 3x as often in the round-robin: ~45% of the questions
+# tool templates come up 13x as often in the round-robin: ~73% of the questions need the lookup, so
+# a policy that calls the tool when (and only when) it pays makes ~0.7 tool calls per episode, and
+# the warm start sees enough lookups to learn to copy the code from the observation
+TOOL_WEIGHT = 13
 
 # -----------------------------------------------------------------------------
 # question templates: each returns (question, gold_sql) or None (not applicable here; retried)
@@ -358,11 +363,13 @@ def not_in(g):
 
 def questions(rng: random.Random, fam: dict, rows: dict, names: dict, n: int) -> list[tuple[str, str, str, str]]:
     """n distinct (template, question, sql, lookup_sql), templates taken round-robin so all are
-    covered (tool templates TOOL_WEIGHT times per round); lookup_sql is "" for direct questions."""
+    covered (tool templates TOOL_WEIGHT times per round, each round shuffled); lookup_sql is "" for direct questions."""
     g, out, seen = Ctx(rng, fam, rows, names), [], set()
     order = [t for t in TEMPLATES for _ in range(TOOL_WEIGHT if t in TOOL_TEMPLATES else 1)]
     i = 0
     while len(out) < n and i < 50 * n:
+        if i % len(order) == 0:  # each round in a fresh order: a database with fewer questions than
+            rng.shuffle(order)   # a round still gets a fair sample of the templates, not the first ones
         name = order[i % len(order)]
         i += 1
         qs = TEMPLATES[name](g)
@@ -401,19 +408,27 @@ def prepare_toy(out_dir, seed: int = 0, verbose: bool = False) -> dict:
     Counter}, "tool": {split: questions that need the tool}}."""
     out = Path(out_dir)
     splits = {"train": [], "eval": []}
-    for family, fam in FAMILIES.items():
-        for i in range(1, DBS_PER_FAMILY + 1):
-            db_id, split = f"{family}_{i}", "eval" if i == DBS_PER_FAMILY else "train"
-            rng = random.Random(f"toy-rows:{seed}:{db_id}")
-            rows = make_rows(rng, fam)
-            names = encode_categories(rng, fam, rows)
-            rel = f"database/{db_id}/{db_id}.sqlite"
-            write_db(out / rel, fam, rows)
-            qs = questions(random.Random(f"toy-questions:{seed}:{db_id}"), fam, rows, names,
-                           TRAIN_PER_DB if split == "train" else EVAL_PER_DB)
-            for j, (tname, question, sql, lookup) in enumerate(qs):
-                rec = make_record(f"toy-{db_id}-{j:03d}", "toy", db_id, rel, question, sql)
-                splits[split].append({**rec, "template": tname, "lookup_sql": lookup})
+    seen = defaultdict(Counter)  # word -> Counter(digit) over the training golds' codes
+    for split in ("train", "eval"):  # training databases first: the held-out ones avoid their codes
+        for family, fam in FAMILIES.items():
+            for i in (range(1, DBS_PER_FAMILY) if split == "train" else [DBS_PER_FAMILY]):
+                db_id = f"{family}_{i}"
+                rng = random.Random(f"toy-rows:{seed}:{db_id}")
+                rows = make_rows(rng, fam)
+                # a memoriser writes the code it saw most in training: held-out databases never
+                # store it (chance alone gave seed 0 a memoriser right on 23% of held-out tool questions)
+                avoid = {w: {d for d, k in c.items() if k == max(c.values())} for w, c in seen.items()}
+                names = encode_categories(rng, fam, rows, avoid if split == "eval" else None)
+                rel = f"database/{db_id}/{db_id}.sqlite"
+                write_db(out / rel, fam, rows)
+                qs = questions(random.Random(f"toy-questions:{seed}:{db_id}"), fam, rows, names,
+                               TRAIN_PER_DB if split == "train" else EVAL_PER_DB)
+                for j, (tname, question, sql, lookup) in enumerate(qs):
+                    rec = make_record(f"toy-{db_id}-{j:03d}", "toy", db_id, rel, question, sql)
+                    splits[split].append({**rec, "template": tname, "lookup_sql": lookup})
+                    if split == "train" and lookup:
+                        word, digit = CODE.fullmatch(re.findall(r"'([^']*)'", sql)[0]).groups()
+                        seen[word][int(digit)] += 1
     for split in ("eval", "train"):  # train.jsonl last: the trainer takes it as "the set is there"
         check_golds(out, splits[split])
         write_jsonl(out / f"{split}.jsonl", splits[split])

@@ -169,19 +169,27 @@ CODE_DIGITS = 1
 CODE_SEP = ""
 
 
-def encode_categories(rng: random.Random, fam: dict, rows: dict) -> dict[str, dict[str, str]]:
+def encode_categories(rng: random.Random, fam: dict, rows: dict,
+                      avoid: dict[str, set[int]] | None = None) -> dict[str, dict[str, str]]:
     """Replace every categorical value by its code, in place: the word then a digit drawn here
     ('Paris' -> 'Paris4'), distinct within a column. The word is the piece the question shares
     with the code: the model copies it from the question, finds the row that starts with it in the
     lookup's observation and copies the digit from there (the same tokens in both places: after a
     line break and after the SQL quote the word has no leading space). Digits are drawn per
-    database, so a memorised code is right 1 time in 9 at best. Returns {table: {code: name}}."""
+    database, so a memorised code is right 1 time in 9 at best; `avoid` ({word: digits}, for the
+    held-out databases: the digits training golds use most for that word) makes it never right.
+    Returns {table: {code: name}}."""
+    avoid = avoid or {}
     names = {}
     for side in ("parent", "child"):
         t, col = fam[side], fam[side]["cat"]
         present = sorted({r[col] for r in rows[side] if r[col] is not None})
-        digits = rng.sample(range(10 ** (CODE_DIGITS - 1), 10 ** CODE_DIGITS), len(present))
-        code = {v: f"{v}{CODE_SEP}{d}" for v, d in zip(present, digits)}
+        code, used = {}, set()
+        for v in present:
+            digit = rng.choice([d for d in range(10 ** (CODE_DIGITS - 1), 10 ** CODE_DIGITS)
+                                if d not in used and d not in avoid.get(v, ())])
+            used.add(digit)
+            code[v] = f"{v}{CODE_SEP}{digit}"
         for r in rows[side]:
             if r[col] is not None:
                 r[col] = code[r[col]]

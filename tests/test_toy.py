@@ -117,12 +117,13 @@ def _text_cells(con) -> set:
 def test_tool_questions_need_the_lookup(toy):
     """The question's word is in no cell of the database, the gold with that word instead of the
     code is wrong, and the lookup's observation lists the code (the one row that starts with the
-    word). Held-out databases store other codes, so a memorised code is (almost) never right."""
+    word). Held-out databases never store the code training golds use most for a word, so a
+    memoriser (the most-seen code) is never right there."""
     out, stats = toy
     recs = load_examples(out / "train.jsonl", out) + load_examples(out / "eval.jsonl", out)
     tool = [r for r in recs if r["lookup_sql"]]
     for split in ("train", "eval"):  # a mix: the policy must learn when to call the tool
-        assert 0.35 <= stats["tool"][split] / stats[split] <= 0.55, stats["tool"]
+        assert 0.65 <= stats["tool"][split] / stats[split] <= 0.8, stats["tool"]
     assert {r["template"] for r in tool} == TOOL_TEMPLATES
     cells, memo, choices = {}, {}, []
     for r in tool:
@@ -147,7 +148,7 @@ def test_tool_questions_need_the_lookup(toy):
     ev = [re.findall(r"'([^']*)'", r["gold_sql"])[0] for r in tool if is_eval(r["db_id"])]
     word_of = lambda c: re.match("[a-zA-Z]+", c).group()  # noqa: E731
     hits = sum(word_of(c) in memo and memo[word_of(c)].most_common(1)[0][0] == c for c in ev)
-    assert hits <= 0.2 * len(ev), (hits, len(ev))  # one digit in 1-9: ~1/9 by chance
+    assert hits == 0 and len(ev) >= 150, (hits, len(ev))  # held-out codes avoid the most-seen digit
 
 
 def test_gold_trajectories_follow_the_format_and_score_one(toy):
