@@ -116,8 +116,8 @@ def _text_cells(con) -> set:
 
 def test_tool_questions_need_the_lookup(toy):
     """The question's word is in no cell of the database, the gold with that word instead of the
-    code is wrong, and the lookup's observation lists the code (the one row that starts with the
-    word). Held-out databases never store the code training golds use most for a word, so a
+    code is wrong, and the lookup (the question's word in a LIKE) returns exactly the code, from a
+    column of several codes. Held-out databases never store the code training golds use most for a word, so a
     memoriser (the most-seen code) is never right there."""
     out, stats = toy
     recs = load_examples(out / "train.jsonl", out) + load_examples(out / "eval.jsonl", out)
@@ -134,16 +134,19 @@ def test_tool_questions_need_the_lookup(toy):
         word, digits = re.fullmatch(rf"([a-zA-Z]+){re.escape(CODE_SEP)}(\d{{{CODE_DIGITS}}})", code).groups()
         assert re.search(rf"\b{word}\b", r["question"]), (word, r["question"])  # said as people say it
         assert word.lower() not in cells[r["db_file"]], (word, r["db_id"])  # in no cell, in any case
-        listed = [row[0] for row in con.execute(r["lookup_sql"]).fetchall()]
-        assert code in listed and len(listed) >= 2, (code, listed)  # a real choice among codes
-        choices.append(len(listed))
-        assert [c for c in listed if c and re.fullmatch(rf"{word}\W?\d+", c)] == [code]  # one row matches
+        # the lookup: a fixed template around the question's word, and its one row is the code
+        m = re.fullmatch(r"SELECT DISTINCT (\w+) FROM (\w+) WHERE \1 LIKE '([a-zA-Z]+)%'", r["lookup_sql"])
+        assert m and m.group(3) == word, r["lookup_sql"]
+        assert con.execute(r["lookup_sql"]).fetchall() == [(code,)], r["lookup_sql"]
+        column = [c for (c,) in con.execute(f"SELECT DISTINCT {m.group(1)} FROM {m.group(2)}") if c]
+        assert code in column and len(column) >= 2, (code, column)  # without the lookup: a real choice
+        choices.append(len(column))
         naive = r["gold_sql"].replace(f"'{code}'", f"'{word}'")
         assert con.execute(naive).fetchall() != con.execute(r["gold_sql"]).fetchall(), naive
         con.close()
         if not is_eval(r["db_id"]):
             memo.setdefault(word, Counter())[code] += 1
-    assert sum(choices) / len(choices) >= 3.5, sum(choices) / len(choices)  # rows per lookup, mean
+    assert sum(choices) / len(choices) >= 3.5, sum(choices) / len(choices)  # codes per column, mean
     # a memoriser: the code seen most often in training for the word
     ev = [re.findall(r"'([^']*)'", r["gold_sql"])[0] for r in tool if is_eval(r["db_id"])]
     word_of = lambda c: re.match("[a-zA-Z]+", c).group()  # noqa: E731
