@@ -3,8 +3,13 @@
 A gold trajectory is what a perfect policy would write, tokenized segment by segment exactly as
 the rollout appends them (token-in-token-out), so SFT and RL see the same token boundaries:
 
-    prompt | <think>{think}</think>\\n<sql>{gold}</sql> | observation (real rows) |
+    prompt | <think>{think}</think>\\n<sql>{query}</sql> | observation (real rows) |
            <think>{think}</think>\\n<solution>{gold}</solution><end of turn>
+
+The tool turn's query is the record's `lookup_sql` when it has one (toy questions that name a
+category the database stores as a code: the lookup lists the codes, the solution copies one);
+otherwise, with `sft.with_tool_turn`, the gold itself (a check); otherwise there is no tool turn.
+The think after the observation keeps SkyRL's rule: every </observation> is followed by <think>.
 
 Loss only on the model-side segments (mask 1), never on the prompt or the observation. The end
 of turn is the chat template's own token (end_of_turn_id), so the warm start teaches the token
@@ -34,10 +39,11 @@ def gold_trajectory(example: dict, prompt_ids: list[int], tokenizer, cfg: C.Conf
         mask.extend([1] * len(t))
 
     turns_left = cfg.env.max_turns
-    if cfg.sft.with_tool_turn and cfg.env.max_turns > 1:
-        model_says(f"{think}<sql>{example['gold_sql']}</sql>")
+    query = example.get("lookup_sql") or (example["gold_sql"] if cfg.sft.with_tool_turn else "")
+    if query and cfg.env.max_turns > 1:
+        model_says(f"{think}<sql>{query}</sql>")
         turns_left -= 1
-        res = env.run_sql(db_path, example["gold_sql"], timeout_s=cfg.env.tool_timeout_s,
+        res = env.run_sql(db_path, query, timeout_s=cfg.env.tool_timeout_s,
                           max_rows=cfg.env.fetch_rows)
         obs = observation_ids(tokenizer, env.format_observation(res, turns_left, cfg.env), cfg.env.conversation)
         ids.extend(obs)

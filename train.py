@@ -98,6 +98,8 @@ def tokenizer_corpus(cfg: C.Config) -> list[str]:
         for msg in prompts.build_messages(ex, cfg.data.db_root, cfg.data, cfg.env.protocol):
             texts.append(msg["content"])
         texts.append(f"<think>{cfg.sft.think_text}</think>\n<sql>{ex['gold_sql']}</sql>")
+        if ex.get("lookup_sql"):  # the toy set's tool turn: its words ("LIKE") get tokens too
+            texts.append(f"<sql>{ex['lookup_sql']}</sql>")
         texts.append(f"<solution>{ex['gold_sql']}</solution>")
     return texts
 

@@ -3,15 +3,23 @@
     python data/prepare_toy.py --out runs/toy [--seed 0]
 
 Writes, under --out:
-    database/<db_id>/<db_id>.sqlite   20 small databases: 5 schema families x 4 (data/toy_schemas.py)
-    train.jsonl                       ~2000 questions on 15 databases (canonical records, dataset.py)
+    database/<db_id>/<db_id>.sqlite   65 small databases: 5 schema families x 13 (data/toy_schemas.py)
+    train.jsonl                       ~2000 questions on 60 databases (canonical records, dataset.py)
     eval.jsonl                        ~300 questions on the 5 held-out databases (one per family)
 Records' db_path is relative to --out. Each record also carries `template` (for per-template EX).
 
 Design: train and eval are split by database, as in Spider, but the schema vocabulary is shared
 within a family, so held-out accuracy is reachable for a tiny model that cannot learn to copy
-unseen identifiers. Literal values in a question appear verbatim in its gold SQL (the model
-copies them); gold SQL is short and canonical (uppercase keywords, single spaces, T1/T2 aliases).
+unseen identifiers. Gold SQL is short and canonical (uppercase keywords, single spaces, T1/T2).
+Two kinds of question, mixed (~73% need the tool):
+  direct     every literal of the gold appears verbatim in the question (the model copies it);
+  tool       the question names a category as people say it ("Paris", "pending") but the database
+             stores a code ('Paris4', 'pending7', the digit drawn per database: toy_schemas.py),
+             and the prompt shows no values. The record's `lookup_sql` (SELECT DISTINCT city FROM
+             customers WHERE city LIKE 'Paris%') returns the code. Reading that observation is
+             what makes the final query right: held-out databases have other digits, never the
+             one training golds use most for the word, so a memorised code is wrong there.
+Each record carries `template` (per-template EX) and `lookup_sql` ("" for direct questions).
 Every gold is executed here; the script fails if any errors, if a template's results are mostly
 empty, or if an ORDER BY ... LIMIT gold has a tie at its cut (an ambiguous answer).
 Same seed -> byte-identical files (seeded by strings, databases written whole then renamed; the
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import sqlite3
 import sys
 import time
@@ -31,12 +40,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: dataset.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # toy_schemas.py
 from dataset import make_record, write_jsonl  # noqa: E402
-from toy_schemas import FAMILIES, make_rows, write_db  # noqa: E402
+from toy_schemas import CODE_DIGITS, CODE_SEP, FAMILIES, encode_categories, make_rows, write_db  # noqa: E402
 
-DBS_PER_FAMILY = 4  # the last one of each family is held out for eval
-TRAIN_PER_DB = 134  # 15 train dbs -> 2010 questions
+CODE = re.compile(rf"([A-Za-z]+){re.escape(CODE_SEP)}(\d{{{CODE_DIGITS}}})")  # 'Paris4' -> ('Paris', '4')
+
+# many small databases: with 3 training databases per family the model memorised their codes
+# (and wrote them on held-out databases); with 12 it cannot, and copies from the observation
+DBS_PER_FAMILY = 13  # the last one of each family is held out for eval
+TRAIN_PER_DB = 34  # 60 train dbs -> 2040 questions
 EVAL_PER_DB = 60  # 5 eval dbs -> 300 questions
 MAX_EMPTY_FRACTION = 0.05  # a template whose golds are emptier than this fails the build
+# tool templates come up 13x as often in the round-robin: ~73% of the questions need the lookup, so
+# a policy that calls the tool when (and only when) it pays makes ~0.7 tool calls per episode, and
+# the warm start sees enough lookups to learn to copy the code from the observation
+TOOL_WEIGHT = 13
 
 # -----------------------------------------------------------------------------
 # question templates: each returns (question, gold_sql) or None (not applicable here; retried)
@@ -53,10 +70,10 @@ def plural(w: str) -> str:
 
 
 class Ctx:
-    """One database while its questions are generated: family spec, rows, rng, phrasing helper."""
+    """One database while its questions are generated: family spec, rows, codes, rng, phrasing."""
 
-    def __init__(self, rng, fam, rows):
-        self.rng, self.fam, self.rows = rng, fam, rows
+    def __init__(self, rng, fam, rows, names):
+        self.rng, self.fam, self.rows, self.names = rng, fam, rows, names  # names: {table: {code: name}}
         self.P, self.C = fam["parent"], fam["child"]
 
     def table(self, need=None):
@@ -75,8 +92,23 @@ class Ctx:
     def vals(self, rows, col):
         return sorted({r[col] for r in rows if r[col] is not None})
 
+    def category(self, t, rs):
+        """A stored code of t's categorical column -> (code, the name people say, lookup SQL)."""
+        code = self.rng.choice(self.vals(rs, t["cat"]))
+        name = self.names[t["table"]][code]
+        return code, name, lookup_sql(t["table"], t["cat"], name)
+
     def join(self):
         return f"FROM {self.P['table']} T1 JOIN {self.C['table']} T2 ON T1.id = T2.{self.C['fk']}"
+
+
+def lookup_sql(table: str, column: str, word: str) -> str:
+    """The tool turn of a tool question: the column's stored spellings that start with the question's
+    word. Its observation is the one code ('Paris4'), right after the word the model just wrote
+    into the query. A listing of the whole column (SELECT DISTINCT city FROM customers) was not
+    learnt: after its 4-6 rows the warm start had forgotten which word the question said and
+    wrote another row's word (0% held-out EX on tool questions after 300 SFT steps, 10% right word)."""
+    return f"SELECT DISTINCT {column} FROM {table} WHERE {column} LIKE '{word}%'"
 
 
 def q(v) -> str:
@@ -86,11 +118,17 @@ def q(v) -> str:
 AGG = [("AVG", ["average", "mean"]), ("MAX", ["maximum", "highest"]), ("MIN", ["minimum", "lowest"]),
        ("SUM", ["total"])]
 TEMPLATES = {}
+TOOL_TEMPLATES = set()  # those whose question names a category: (question, sql, lookup_sql)
 
 
 def template(fn):
     TEMPLATES[fn.__name__] = fn
     return fn
+
+
+def tool_template(fn):
+    TOOL_TEMPLATES.add(fn.__name__)
+    return template(fn)
 
 
 @template
@@ -100,22 +138,22 @@ def count_all(g):
         f"SELECT COUNT(*) FROM {t['table']}"
 
 
-@template
+@tool_template
 def list_where_cat(g):
     t, rs = g.table()
-    v = g.rng.choice(g.vals(rs, t["cat"]))
+    code, v, look = g.category(t, rs)
     return g.say(["List the {Ls} of {P} whose {C} is {v}.", "Which {P} have {C} {v}? Give their {Ls}.",
                   "Show the {L} of every {S} with {C} {v}."], t, v=v), \
-        f"SELECT {t['label']} FROM {t['table']} WHERE {t['cat']} = {q(v)}"
+        f"SELECT {t['label']} FROM {t['table']} WHERE {t['cat']} = {q(code)}", look
 
 
-@template
+@tool_template
 def count_where_cat(g):
     t, rs = g.table()
-    v = g.rng.choice(g.vals(rs, t["cat"]))
+    code, v, look = g.category(t, rs)
     return g.say(["How many {P} have {C} {v}?", "Count the {P} whose {C} is {v}.",
                   "What is the number of {P} with {C} {v}?"], t, v=v), \
-        f"SELECT COUNT(*) FROM {t['table']} WHERE {t['cat']} = {q(v)}"
+        f"SELECT COUNT(*) FROM {t['table']} WHERE {t['cat']} = {q(code)}", look
 
 
 @template
@@ -148,14 +186,14 @@ def agg(g):
                  t, a=g.rng.choice(words)), f"SELECT {fn}({t['num']}) FROM {t['table']}"
 
 
-@template
+@tool_template
 def agg_where(g):
     t, rs = g.table()
     fn, words = g.rng.choice(AGG)
-    v = g.rng.choice(g.vals(rs, t["cat"]))
+    code, v, look = g.category(t, rs)
     return g.say(["What is the {a} {N} of {P} whose {C} is {v}?", "Among {P} with {C} {v}, what is the {a} {N}?"],
                  t, a=g.rng.choice(words), v=v), \
-        f"SELECT {fn}({t['num']}) FROM {t['table']} WHERE {t['cat']} = {q(v)}"
+        f"SELECT {fn}({t['num']}) FROM {t['table']} WHERE {t['cat']} = {q(code)}", look
 
 
 @template
@@ -268,16 +306,18 @@ def join_parent_label(g):
         f"SELECT T2.{C['label']} {g.join()} WHERE T1.{P['label']} = {q(v)}"
 
 
-@template
+@tool_template
 def join_parent_cat(g):
     P, C = g.P, g.C
     with_kids = {r[C["fk"]] for r in g.rows["child"]}
-    v = g.rng.choice(sorted({r[P["cat"]] for r in g.rows["parent"] if r["id"] in with_kids} - {None}))
+    code = g.rng.choice(sorted({r[P["cat"]] for r in g.rows["parent"] if r["id"] in with_kids} - {None}))
+    v = g.names[P["table"]][code]
+    look = lookup_sql(P["table"], P["cat"], v)
     pw = P.get("words", {}).get(P["cat"], P["cat"])
     return g.say(["List the {Ls} of {P} {rel} {pp} whose {pw} is {v}.",
                   "Show the {L} of each {S} {rel} a {ps} with {pw} {v}."], C, rel=g.fam["rel"], v=v, pw=pw,
                  pp=P["plural"], ps=P["sing"]), \
-        f"SELECT T2.{C['label']} {g.join()} WHERE T1.{P['cat']} = {q(v)}"
+        f"SELECT T2.{C['label']} {g.join()} WHERE T1.{P['cat']} = {q(code)}", look
 
 
 @template
@@ -309,14 +349,15 @@ def join_top(g):
         f"SELECT T1.{P['label']} {g.join()} GROUP BY T1.id ORDER BY COUNT(*) DESC LIMIT 1"
 
 
-@template
+@tool_template
 def in_subquery(g):
     P, C = g.P, g.C
-    v = g.rng.choice(g.vals(g.rows["child"], C["cat"]))
+    code, v, look = g.category(C, g.rows["child"])
     cw = C.get("words", {}).get(C["cat"], C["cat"])
     return g.say(["List the {Ls} of {P} that have at least one {cs} whose {cw} is {v}.",
                   "Which {P} have {acs} with {cw} {v}? Give their {Ls}."], P, cs=C["sing"], acs=an(C["sing"]), cw=cw, v=v), \
-        f"SELECT {P['label']} FROM {P['table']} WHERE id IN (SELECT {C['fk']} FROM {C['table']} WHERE {C['cat']} = {q(v)})"
+        f"SELECT {P['label']} FROM {P['table']} WHERE id IN (SELECT {C['fk']} FROM {C['table']} WHERE {C['cat']} = {q(code)})", \
+        look
 
 
 @template
@@ -331,23 +372,28 @@ def not_in(g):
 # building the set
 
 
-def questions(rng: random.Random, fam: dict, rows: dict, n: int) -> list[tuple[str, str, str]]:
-    """n distinct (template, question, sql), templates taken round-robin so all are covered."""
-    g, names, out, seen = Ctx(rng, fam, rows), list(TEMPLATES), [], set()
+def questions(rng: random.Random, fam: dict, rows: dict, names: dict, n: int) -> list[tuple[str, str, str, str]]:
+    """n distinct (template, question, sql, lookup_sql), templates taken round-robin so all are
+    covered (tool templates TOOL_WEIGHT times per round, each round shuffled); lookup_sql is "" for direct questions."""
+    g, out, seen = Ctx(rng, fam, rows, names), [], set()
+    order = [t for t in TEMPLATES for _ in range(TOOL_WEIGHT if t in TOOL_TEMPLATES else 1)]
     i = 0
     while len(out) < n and i < 50 * n:
-        name = names[i % len(names)]
+        if i % len(order) == 0:  # each round in a fresh order: a database with fewer questions than
+            rng.shuffle(order)   # a round still gets a fair sample of the templates, not the first ones
+        name = order[i % len(order)]
         i += 1
         qs = TEMPLATES[name](g)
         if qs is None or qs[0] in seen:
             continue
         seen.add(qs[0])
-        out.append((name, *qs))
+        out.append((name, qs[0], qs[1], qs[2] if len(qs) > 2 else ""))
     return out
 
 
 def check_golds(out: Path, records: list[dict]) -> Counter:
-    """Run every gold read-only; fail on any error or on a template with mostly empty results."""
+    """Run every gold read-only; fail on any error or on a template with mostly empty results, or
+    if a lookup's result is not the one code its gold uses."""
     empty, total, cons = Counter(), Counter(), {}
     for r in records:
         if r["db_path"] not in cons:
@@ -356,6 +402,9 @@ def check_golds(out: Path, records: list[dict]) -> Counter:
             rows = cons[r["db_path"]].execute(r["gold_sql"]).fetchall()
         except sqlite3.Error as e:
             raise AssertionError(f"toy gold fails: {r['gold_sql']!r}: {e}") from None
+        if r["lookup_sql"]:  # the lookup returns exactly the code the gold uses
+            listed = [row[0] for row in cons[r["db_path"]].execute(r["lookup_sql"]).fetchall()]
+            assert listed == re.findall(r"'([^']*)'", r["gold_sql"]), (r["gold_sql"], listed)
         total[r["template"]] += 1
         empty[r["template"]] += not rows or all(v is None for row in rows for v in row)
     for c in cons.values():
@@ -366,31 +415,45 @@ def check_golds(out: Path, records: list[dict]) -> Counter:
 
 
 def prepare_toy(out_dir, seed: int = 0, verbose: bool = False) -> dict:
-    """Generate the toy set under out_dir. Returns {"train": n, "eval": n, "templates": Counter}."""
+    """Generate the toy set under out_dir. Returns {"train": n, "eval": n, "templates": {split:
+    Counter}, "tool": {split: questions that need the tool}}."""
     out = Path(out_dir)
     splits = {"train": [], "eval": []}
-    for family, fam in FAMILIES.items():
-        for i in range(1, DBS_PER_FAMILY + 1):
-            db_id, split = f"{family}_{i}", "eval" if i == DBS_PER_FAMILY else "train"
-            rows = make_rows(random.Random(f"toy-rows:{seed}:{db_id}"), fam)
-            rel = f"database/{db_id}/{db_id}.sqlite"
-            write_db(out / rel, fam, rows)
-            qs = questions(random.Random(f"toy-questions:{seed}:{db_id}"), fam, rows,
-                           TRAIN_PER_DB if split == "train" else EVAL_PER_DB)
-            for j, (tname, question, sql) in enumerate(qs):
-                rec = make_record(f"toy-{db_id}-{j:03d}", "toy", db_id, rel, question, sql)
-                splits[split].append({**rec, "template": tname})
+    seen = defaultdict(Counter)  # word -> Counter(digit) over the training golds' codes
+    for split in ("train", "eval"):  # training databases first: the held-out ones avoid their codes
+        for family, fam in FAMILIES.items():
+            for i in (range(1, DBS_PER_FAMILY) if split == "train" else [DBS_PER_FAMILY]):
+                db_id = f"{family}_{i}"
+                rng = random.Random(f"toy-rows:{seed}:{db_id}")
+                rows = make_rows(rng, fam)
+                # a memoriser writes the code it saw most in training: held-out databases never
+                # store it (chance alone gave seed 0 a memoriser right on 23% of held-out tool questions)
+                avoid = {w: {d for d, k in c.items() if k == max(c.values())} for w, c in seen.items()}
+                names = encode_categories(rng, fam, rows, avoid if split == "eval" else None)
+                rel = f"database/{db_id}/{db_id}.sqlite"
+                write_db(out / rel, fam, rows)
+                qs = questions(random.Random(f"toy-questions:{seed}:{db_id}"), fam, rows, names,
+                               TRAIN_PER_DB if split == "train" else EVAL_PER_DB)
+                for j, (tname, question, sql, lookup) in enumerate(qs):
+                    rec = make_record(f"toy-{db_id}-{j:03d}", "toy", db_id, rel, question, sql)
+                    splits[split].append({**rec, "template": tname, "lookup_sql": lookup})
+                    if split == "train" and lookup:
+                        word, digit = CODE.fullmatch(re.findall(r"'([^']*)'", sql)[0]).groups()
+                        seen[word][int(digit)] += 1
     for split in ("eval", "train"):  # train.jsonl last: the trainer takes it as "the set is there"
         check_golds(out, splits[split])
         write_jsonl(out / f"{split}.jsonl", splits[split])
     stats = {s: len(r) for s, r in splits.items()}
     stats["templates"] = {s: Counter(r["template"] for r in recs) for s, recs in splits.items()}
+    stats["tool"] = {s: sum(bool(r["lookup_sql"]) for r in recs) for s, recs in splits.items()}
     if verbose:
         print(f"toy set (seed {seed}) -> {out}: {len(FAMILIES) * DBS_PER_FAMILY} databases, "
-              f"train {stats['train']}, eval {stats['eval']}")
+              f"train {stats['train']} ({stats['tool']['train']} need the tool), "
+              f"eval {stats['eval']} ({stats['tool']['eval']} need the tool)")
         print(f"  {'template':20s} {'train':>6s} {'eval':>6s}")
         for t in TEMPLATES:
-            print(f"  {t:20s} {stats['templates']['train'][t]:6d} {stats['templates']['eval'][t]:6d}")
+            print(f"  {t:20s} {stats['templates']['train'][t]:6d} {stats['templates']['eval'][t]:6d}"
+                  + ("  (tool)" if t in TOOL_TEMPLATES else ""))
     return stats
 
 

@@ -1,4 +1,8 @@
-"""The toy set: determinism, split by database, coverage, and that every gold is a good answer."""
+"""The toy set: determinism, split by database, coverage, that every gold is a good answer, that
+tool questions need their lookup, and that the gold (multi-turn) trajectories score 1.
+
+    .venv/bin/python -m pytest -q tests/test_toy.py
+"""
 import re
 import sqlite3
 import subprocess
@@ -11,7 +15,14 @@ from conftest import ROOT
 from dataset import load_examples
 
 sys.path.insert(0, str(ROOT / "data"))
-from prepare_toy import TEMPLATES, prepare_toy  # noqa: E402
+from prepare_toy import DBS_PER_FAMILY, TEMPLATES, TOOL_TEMPLATES, prepare_toy  # noqa: E402
+from toy_schemas import CODE_DIGITS, CODE_SEP, FAMILIES  # noqa: E402
+
+N_DBS = len(FAMILIES) * DBS_PER_FAMILY
+
+
+def is_eval(db_id: str) -> bool:  # the last database of each family is held out
+    return db_id.endswith(f"_{DBS_PER_FAMILY}")
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +42,7 @@ def test_same_seed_byte_identical_and_other_seed_differs(toy, tmp_path):
     subprocess.run([sys.executable, str(ROOT / "data/prepare_toy.py"), "--out", str(tmp_path / "a")],
                    check=True, capture_output=True)
     a, b = _files(out), _files(tmp_path / "a")
-    assert a.keys() == b.keys() and len(a) == 22
+    assert a.keys() == b.keys() and len(a) == N_DBS + 2
     assert [k for k in a if a[k] != b[k]] == []
     prepare_toy(tmp_path / "s1", seed=1)
     assert (tmp_path / "s1/train.jsonl").read_bytes() != a[next(k for k in a if k.name == "train.jsonl")]
@@ -41,10 +52,10 @@ def test_sizes_and_split_by_database(toy):
     out, stats = toy
     train = load_examples(out / "train.jsonl", out)  # the canonical loader accepts it
     ev = load_examples(out / "eval.jsonl", out)
-    assert 1900 <= len(train) <= 2100 and 280 <= len(ev) <= 320
+    assert 1900 <= len(train) <= 2100 and 280 <= len(ev) <= 320 and N_DBS >= 60
     assert (stats["train"], stats["eval"]) == (len(train), len(ev))
     tr_db, ev_db = {r["db_id"] for r in train}, {r["db_id"] for r in ev}
-    assert len(tr_db) + len(ev_db) == 20 and not tr_db & ev_db
+    assert len(tr_db) + len(ev_db) == N_DBS and not tr_db & ev_db
     fam = lambda db: db.rsplit("_", 1)[0]  # noqa: E731
     assert {fam(d) for d in ev_db} == {fam(d) for d in tr_db}  # every family seen in training
     assert len({fam(d) for d in tr_db}) >= 5
@@ -56,7 +67,7 @@ def test_templates_and_sql_features_covered(toy):
     out, _ = toy
     recs = load_examples(out / "train.jsonl", out) + load_examples(out / "eval.jsonl", out)
     for split in ("train", "eval"):
-        c = Counter(r["template"] for r in recs if r["db_id"].endswith("_4") == (split == "eval"))
+        c = Counter(r["template"] for r in recs if is_eval(r["db_id"]) == (split == "eval"))
         assert set(c) == set(TEMPLATES), f"{split}: missing {set(TEMPLATES) - set(c)}"
     sql = " || ".join(r["gold_sql"] for r in recs)
     for feat in ["WHERE", "COUNT(*)", "AVG(", "MAX(", "MIN(", "SUM(", "GROUP BY", "HAVING", "ORDER BY",
@@ -77,9 +88,10 @@ def test_golds_execute_nonempty_and_literals_copied(toy):
         con = sqlite3.connect(f"file:{r['db_file']}?mode=ro", uri=True)
         rows = con.execute(r["gold_sql"]).fetchall()
         empty[r["template"]] += not rows or all(v is None for row in rows for v in row)
-        # a literal in the gold appears verbatim in the question: the model can copy it
-        for lit in re.findall(r"'([^']*)'", r["gold_sql"]) + re.findall(r"(?<![\w.(])(\d+)(?![\w)])",
-                                                                          r["gold_sql"].replace("LIMIT 1", "")):
+        # a direct question holds every literal of its gold verbatim: the model copies it
+        # (a tool question's code comes from the lookup instead: test_tool_questions_need_the_lookup)
+        lits = re.findall(r"'([^']*)'", r["gold_sql"]) if not r["lookup_sql"] else []
+        for lit in lits + re.findall(r"(?<![\w.(-])(\d+)(?![\w)'])", r["gold_sql"].replace("LIMIT 1", "")):
             assert lit in r["question"], (lit, r["question"], r["gold_sql"])
         # canonical formatting: single spaces, uppercase keywords
         assert "  " not in r["gold_sql"] and r["gold_sql"].startswith("SELECT ")
@@ -95,6 +107,89 @@ def test_golds_execute_nonempty_and_literals_copied(toy):
         con.close()
     n = Counter(r["template"] for r in recs)
     assert all(empty[t] <= 0.05 * n[t] for t in n), empty
+
+
+def _text_cells(con) -> set:
+    tables = [t for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    return {v.lower() for t in tables for row in con.execute(f"SELECT * FROM {t}") for v in row if isinstance(v, str)}
+
+
+def test_tool_questions_need_the_lookup(toy):
+    """The question's word is in no cell of the database, the gold with that word instead of the
+    code is wrong, and the lookup (the question's word in a LIKE) returns exactly the code, from a
+    column of several codes. Held-out databases never store the code training golds use most for a word, so a
+    memoriser (the most-seen code) is never right there."""
+    out, stats = toy
+    recs = load_examples(out / "train.jsonl", out) + load_examples(out / "eval.jsonl", out)
+    tool = [r for r in recs if r["lookup_sql"]]
+    for split in ("train", "eval"):  # a mix: the policy must learn when to call the tool
+        assert 0.65 <= stats["tool"][split] / stats[split] <= 0.8, stats["tool"]
+    assert {r["template"] for r in tool} == TOOL_TEMPLATES
+    cells, memo, choices = {}, {}, []
+    for r in tool:
+        con = sqlite3.connect(f"file:{r['db_file']}?mode=ro", uri=True)
+        if r["db_file"] not in cells:
+            cells[r["db_file"]] = _text_cells(con)
+        (code,) = re.findall(r"'([^']*)'", r["gold_sql"])
+        word, digits = re.fullmatch(rf"([a-zA-Z]+){re.escape(CODE_SEP)}(\d{{{CODE_DIGITS}}})", code).groups()
+        assert re.search(rf"\b{word}\b", r["question"]), (word, r["question"])  # said as people say it
+        assert word.lower() not in cells[r["db_file"]], (word, r["db_id"])  # in no cell, in any case
+        # the lookup: a fixed template around the question's word, and its one row is the code
+        m = re.fullmatch(r"SELECT DISTINCT (\w+) FROM (\w+) WHERE \1 LIKE '([a-zA-Z]+)%'", r["lookup_sql"])
+        assert m and m.group(3) == word, r["lookup_sql"]
+        assert con.execute(r["lookup_sql"]).fetchall() == [(code,)], r["lookup_sql"]
+        column = [c for (c,) in con.execute(f"SELECT DISTINCT {m.group(1)} FROM {m.group(2)}") if c]
+        assert code in column and len(column) >= 2, (code, column)  # without the lookup: a real choice
+        choices.append(len(column))
+        naive = r["gold_sql"].replace(f"'{code}'", f"'{word}'")
+        assert con.execute(naive).fetchall() != con.execute(r["gold_sql"]).fetchall(), naive
+        con.close()
+        if not is_eval(r["db_id"]):
+            memo.setdefault(word, Counter())[code] += 1
+    assert sum(choices) / len(choices) >= 3.5, sum(choices) / len(choices)  # codes per column, mean
+    # a memoriser: the code seen most often in training for the word
+    ev = [re.findall(r"'([^']*)'", r["gold_sql"])[0] for r in tool if is_eval(r["db_id"])]
+    word_of = lambda c: re.match("[a-zA-Z]+", c).group()  # noqa: E731
+    hits = sum(word_of(c) in memo and memo[word_of(c)].most_common(1)[0][0] == c for c in ev)
+    assert hits == 0 and len(ev) >= 150, (hits, len(ev))  # held-out codes avoid the most-seen digit
+
+
+def test_gold_trajectories_follow_the_format_and_score_one(toy):
+    """sft.gold_trajectory for every eval and 300 train records: the lookup then the solution for
+    tool questions, a direct solution otherwise; SkyRL's format (reward.format_ok), a <think> after
+    every observation, and reward 1 through reward.episode_rewards."""
+    import config as C
+    import env
+    import reward
+    import sft
+    import tiny
+    from transformers import AutoTokenizer
+    out, _ = toy
+    tok_dir = out.parent / (out.name + "_tok")
+    texts = [r["question"] + " " + r["gold_sql"] for r in load_examples(out / "train.jsonl", out)]
+    tiny.build_tiny_tokenizer(str(tok_dir), texts, vocab_size=400)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    recs = load_examples(out / "eval.jsonl", out) + load_examples(out / "train.jsonl", out)[::7]
+    cfg = C.load_config(["--env.max_turns=2", "--sft.think_text=", "--sft.with_tool_turn=false",
+                         "--data.prompt_template=compact"])
+    prompts = sft.render_prompts(tok, recs, cfg.data, "tags", str(out))
+    episodes = []
+    for r, p in zip(recs, prompts):
+        ids, mask = sft.gold_trajectory(r, p, tok, cfg, r["db_file"])
+        text = tok.decode(ids[len(p):])
+        assert text.endswith("<|im_end|>")
+        assert ("<observation>" in text) == bool(r["lookup_sql"]), text
+        if r["lookup_sql"]:
+            assert text.startswith(f"<think></think>\n<sql>{r['lookup_sql']}</sql>"), text
+            code = re.findall(r"'([^']*)'", r["gold_sql"])[0]
+            assert code in text[text.index("<observation>"):text.index("</observation>")]
+        assert not re.search(r"</observation>(?!\s*<think>)", text), text  # SkyRL: think after each
+        assert reward.format_ok(text, True) == (True, "")
+        episodes.append({"db_path": r["db_file"], "gold_sql": r["gold_sql"], "response": text,
+                         "final_sql": env.parse_turn(text).arg, "finished": True, "steps": []})
+    scores = reward.episode_rewards(episodes, cfg.reward)
+    assert [s["reward"] for s in scores] == [1.0] * len(recs), [s for s in scores if s["reward"] != 1.0][:3]
+    assert sum(bool(r["lookup_sql"]) for r in recs) >= 150
 
 
 def test_schema_has_keys_nulls_dates(toy):

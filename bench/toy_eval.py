@@ -1,0 +1,70 @@
+"""Held-out EX on the toy set, split into questions that need the tool and those answerable directly.
+
+    .venv/bin/python bench/toy_eval.py --model runs/tiny/ckpt_000050/hf [--config configs/tiny.yaml]
+                                       [--data runs/toy/eval.jsonl] [--db-root runs/toy] [--max-turns N]
+
+Runs `eval.py generate` (greedy, the training rollout) into --out, then joins its traces.jsonl with
+the records' `lookup_sql` (data/prepare_toy.py: non-empty = the question names a category the
+database stores as a code, so only a lookup shows the right literal). Prints one JSON line:
+EX overall / on tool questions / on direct questions, tool calls per episode on each kind, how
+often a tool question's final query has the code's word right (the digits come from the lookup), and
+the error-recovery rate (episodes whose first query failed or returned no rows, still right).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def breakdown(traces: list[dict], records: list[dict]) -> dict:
+    """traces: eval.py generate's traces.jsonl lines (one sample each); records: the data jsonl."""
+    needs = {r["id"]: bool(r.get("lookup_sql")) for r in records}
+    out = {"n": len(traces)}
+    for name, keep in (("all", lambda t: True), ("tool", lambda t: needs[t["id"]]),
+                       ("direct", lambda t: not needs[t["id"]])):
+        ts = [t for t in traces if keep(t)]
+        n = max(1, len(ts))
+        out[f"ex_{name}"] = round(100 * sum(t["exec_match"] for t in ts) / n, 1)
+        out[f"tool_calls_{name}"] = round(sum(t["num_tool_calls"] for t in ts) / n, 2)
+    # tool questions: did the final query at least name the code's word ('Paris' of 'Paris42')?
+    gold = {r["id"]: r["gold_sql"] for r in records}
+    tool = [t for t in traces if needs[t["id"]]]
+    word = lambda t: re.findall(r"'([A-Za-z]+)", gold[t["id"]])[0]  # noqa: E731
+    out["tool_word_right"] = round(100 * sum(f"'{word(t)}" in t["prediction"] for t in tool) / max(1, len(tool)), 1)
+    # a first query that failed or returned nothing, and the episode still ended right
+    first_bad = [t for t in traces if t["num_tool_calls"] and _bad(t["turns"][0]["observation"])]
+    out["first_query_bad"] = len(first_bad)
+    out["recovered"] = sum(t["exec_match"] for t in first_bad)
+    return out
+
+
+def _bad(observation: str) -> bool:
+    return "Error executing SQL" in observation or "(0 rows)" in observation or "SQL Timeout" in observation
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="a checkpoint's hf/ folder")
+    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--data", default="runs/toy/eval.jsonl")
+    ap.add_argument("--db-root", default="runs/toy")
+    ap.add_argument("--max-turns", type=int, default=0)
+    ap.add_argument("--out", default="runs/toy_eval")
+    a = ap.parse_args()
+    cmd = [sys.executable, str(ROOT / "eval.py"), "generate", "--model", a.model, "--data", a.data,
+           "--db-root", a.db_root, "--config", a.config, "--out", a.out, "--threads", "1",
+           "--temperature", "0"] + (["--max-turns", str(a.max_turns)] if a.max_turns else [])
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    traces = [json.loads(line) for line in open(Path(a.out) / "traces.jsonl")]
+    records = [json.loads(line) for line in open(a.data)]
+    print(json.dumps(breakdown(traces, records)))
+
+
+if __name__ == "__main__":
+    main()
