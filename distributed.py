@@ -42,7 +42,11 @@ def setup_dist(timeout_s: float = 7200.0):
     a checkpoint. CUDA: the device is set before init_process_group and passed as device_id, so
     NCCL binds each rank to its own GPU (no rank-0 context on every process)."""
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if local_rank >= torch.cuda.device_count():  # CUDA's own error here is "invalid device ordinal"
+            raise RuntimeError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible on this "
+                               "node; use --nproc_per_node <= the GPU count, or CUDA_VISIBLE_DEVICES= for CPU ranks")
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

@@ -4,6 +4,7 @@
 # the others, and the headline lines (`name: value`) of all parts are repeated at the end.
 #
 #   bash bench/gpu.sh [OUT_DIR]          # OUT_DIR (default runs/gpu) gets one log per part
+#   PARTS="tests grpo_steps" bash bench/gpu.sh   # only the parts named (default: all)
 #
 # Parts: (1) the test suite with CUDA visible; (2) attention kernels at our shapes; (3) the sampler
 # against transformers `generate`, Qwen2.5-0.5B shape, bf16, batch 64 and 256; (4) the rollout-scale
@@ -20,9 +21,12 @@ export PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 
+PARTS=${PARTS:-tests attention sampler rollout_scale train_step grpo_steps long_microbatch}
+
 part() {  # part NAME SECONDS COMMAND...: run under a time limit, log to $OUT/NAME.txt, keep going
     local name=$1 limit=$2
     shift 2
+    case " $PARTS " in *" $name "*) ;; *) return 0 ;; esac
     echo "=== $name (limit ${limit}s): $*" | tee -a "$SUMMARY"
     local start=$SECONDS
     timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
@@ -38,7 +42,7 @@ $PY -c "import torch, transformers; print('torch', torch.__version__, 'transform
 
 # (1) tests: with xdist when present; distributed tests that need one GPU per rank skip themselves
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
-part tests 200 $PY -m pytest -q -p no:cacheprovider $XDIST tests
+part tests 150 $PY -m pytest -q -p no:cacheprovider $XDIST tests
 
 # (2) attention kernels
 part attention 150 $PY bench/attention_probe.py
@@ -57,12 +61,13 @@ part train_step 150 $PY bench/train_step.py --device cuda --shape qwen2.5-0.5b
 # (6) ten GRPO steps: configs/tiny.yaml's toy data and 1k-token BPE vocabulary with a Qwen2.5-0.5B
 # body (24 layers, 896 wide, 14/2 heads): ~0.36B parameters, bf16 compute. The SFT warm start
 # gives the policy the protocol; dynamic sampling is off so every step updates on all episodes.
-part grpo_steps 240 $PY train.py configs/tiny.yaml --model.path=runs/gpu/model05b --model.dtype=bfloat16 \
+part grpo_steps 300 $PY train.py configs/tiny.yaml --model.path=runs/gpu/model05b --model.dtype=bfloat16 \
     --model.tiny_hidden_size=896 --model.tiny_layers=24 --model.tiny_heads=14 --model.tiny_kv_heads=2 \
     --model.tiny_intermediate_size=4864 --model.activation_checkpointing=true \
     --sft.steps=60 --sft.lr=3e-4 --optim.lr=1e-5 --grpo.dynamic_sampling=false --grpo.prompts_per_step=64 \
-    --sampling.max_context=2048 --env.max_turns=3 --train.steps=10 --train.eval_every=0 \
-    --train.sample_every=0 --train.threads=0 --train.resume=false --train.out_dir="$OUT/grpo_run"
+    --sampling.max_context=2048 --env.max_turns=3 --data.max_eval_examples=64 --train.steps=10 --train.eval_every=0 \
+    --train.sample_every=0 --train.threads=0 --train.resume=false --train.out_dir=runs/gpu_grpo_run
+[ -f runs/gpu_grpo_run/metrics.jsonl ] && cp runs/gpu_grpo_run/metrics.jsonl "$OUT/grpo_metrics.jsonl"
 
 # (7) one 32k-token micro-batch, 7B shape
 part long_microbatch 150 $PY bench/long_microbatch.py --shape qwen2.5-7b --tokens 32768

@@ -3,8 +3,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -14,7 +12,9 @@ SPIDER = Path(os.environ.get("SPIDER_DIR", ROOT.parent / "shared" / "data" / "sp
 SPIDER_MISSING = f"real Spider data not found at {SPIDER} (set SPIDER_DIR to use it)"
 HAVE_SPIDER = (SPIDER / "dev.json").exists() and (SPIDER / "database").is_dir()
 
-# Tests that start 2 ranks under torchrun: on a machine with CUDA each rank takes GPU LOCAL_RANK
-# (NCCL), so they need 2 GPUs there; CPU-only machines run them on gloo.
-TWO_RANKS_POSSIBLE = not (torch.cuda.is_available() and torch.cuda.device_count() < 2)
-TWO_RANKS_MISSING = "2 ranks under torchrun take 2 GPUs on a CUDA machine; this one has fewer"
+
+def torchrun_env(**extra: str) -> dict:
+    """The environment for tests that start ranks under torchrun. They check CPU (gloo) equalities,
+    so GPUs are hidden: on a CUDA machine each rank would otherwise take GPU LOCAL_RANK (NCCL) and
+    2 ranks would need 2 GPUs. One thread per rank: 2 ranks on 2 cores, no oversubscription."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "disabled", **extra}

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, TWO_RANKS_MISSING, TWO_RANKS_POSSIBLE
+from conftest import ROOT, torchrun_env
 
 import dataset
 import eval as ev
@@ -179,11 +179,10 @@ def test_files_order_and_placeholders(setup, greedy_run):
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
-@pytest.mark.skipif(not TWO_RANKS_POSSIBLE, reason=TWO_RANKS_MISSING)
 def test_torchrun_two_processes_match_one(setup, greedy_run):
     d, _, base = setup
     out = str(d / "greedy2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "eval.py")] + base + ["--out", out]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)

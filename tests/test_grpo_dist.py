@@ -7,7 +7,6 @@ tiny MLP LM and (when present) model.py's Transformer. ~20 s.
 
     .venv/bin/pytest tests/test_grpo_dist.py -q
 """
-import os
 import re
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from conftest import torchrun_env
 from dist_grad_check import CASES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 def test_fsdp2_two_ranks_match_one_process():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 ranks on 2 cores: no oversubscription
+    env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist_grad_check.py")]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -9,7 +9,6 @@ FSDP2 sharding on 1 and 2 ranks (tests/lora_dist_check.py). The PEFT tests skip 
     .venv/bin/pytest tests/test_lora.py -q      (~30 s)
 """
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 import config as C
 import lora
-from conftest import ROOT
+from conftest import ROOT, torchrun_env
 from model import ModelArgs, Transformer
 
 V = 97
@@ -331,7 +330,7 @@ def test_memory_command_prints_lora_next_to_full(tmp_path, capsys):
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 @pytest.mark.parametrize("world", [1, 2])  # 1: FSDP2 on one process (its gathered copies too)
 def test_fsdp2_shards_lora(world):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(ROOT / "tests" / "lora_dist_check.py")]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)

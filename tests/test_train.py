@@ -19,7 +19,7 @@ import rollout
 import sft
 import tiny
 import train
-from conftest import ROOT
+from conftest import ROOT, torchrun_env
 from model import Transformer
 
 
@@ -84,7 +84,7 @@ def test_sft_gold_trajectory_masks_model_side(tmp_path, tiny_model):
 
 
 def run_train(args, out_dir, nproc=1, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"} if nproc == 1 else torchrun_env()
     if nproc == 1:
         cmd = [sys.executable, "train.py"]
     else:
