@@ -169,7 +169,7 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
     """PPO epochs × mini-batches of optimizer steps on this rank's trajectories."""
     g, T = cfg.grpo, cfg.sampling.temperature
     budget = cfg.optim.micro_batch_tokens
-    seqs = [(t.ids, t.loss_mask, a) for t, a in zip(trajs, adv.tolist())]
+    seqs = [(t.ids, t.loss_mask, a, t.logprobs) for t, a in zip(trajs, adv.tolist())]  # + sampler logprobs
     # old logprobs: equal to the current ones (detached) when there is a single update per batch
     need_old = g.ppo_epochs * g.mini_batches > 1
     old, ref = {}, {}
@@ -208,10 +208,9 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
                 a = torch.tensor([seqs[i][2] for i in mb], dtype=torch.float32, device=device)
                 old_lp = torch.stack([old[i] for i in mb])[:, :lp.shape[1]] if need_old else lp.detach()
                 ref_lp = torch.stack([ref[i] for i in mb])[:, :lp.shape[1]] if ref else None
-                loss, m = grpo.policy_loss(lp, old_lp, a, mask, clip_low=g.clip_low, clip_high=g.clip_high,
-                                           dual_clip_c=g.dual_clip_c, ref_logp=ref_lp, kl_beta=g.kl_beta,
-                                           agg=g.loss_agg, norm=norm, entropy=ent,
-                                           max_len=g.drgrpo_max_len or cfg.sampling.max_context)
+                roll_lp = pad([seqs[i][3] for i in mb], 0.0, device, torch.float32)[:, 1:]  # (B, T-1) like lp
+                loss, m = grpo.policy_loss(lp, old_lp, a, mask, ref_logp=ref_lp, rollout_logp=roll_lp, norm=norm,
+                                           entropy=ent, **grpo.loss_kwargs(g, cfg.sampling.max_context))
                 (loss * world).backward()  # FSDP2 averages gradients over ranks; ×world makes it a sum
                 w = float(mask.sum())
                 for key, v in m.items():
