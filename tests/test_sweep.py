@@ -1,6 +1,7 @@
 """sweep.py: grid expansion, variant presets against config.py, the table and plot from synthetic
 metrics.jsonl files (hand-computed means and spreads), and one real sweep of 2 grid points end to
-end (tiny model, 1 GRPO step each, 2 jobs), resumed without rerunning. ~30 s on 2 cores.
+end (tiny model, 1 GRPO step each, 2 jobs), resumed without rerunning; those runs also check
+that the sampler's and the trainer's logprobs agree to 1e-5 (fp32, CPU). ~30 s on 2 cores.
 
     .venv/bin/pytest tests/test_sweep.py -q
 """
@@ -133,6 +134,12 @@ def test_real_sweep_of_two_points_then_resume(assets, tmp_path, capsys):
         saved = yaml.safe_load((d / "ckpt_000001" / "config.yaml").read_text())  # the run's resolved config
         assert saved["grpo"]["loss"] == loss and saved["train"]["seed"] == 3 and saved["train"]["threads"] == 1
         assert set(sweep.eval_curve(d)) == {0, 1}  # before GRPO and after the last step
+        # rollout/trainer consistency through the real sampler and train.update: in fp32 on CPU the
+        # sampler's recorded logprobs equal the trainer's on every response token
+        recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+        mism = [r for r in recs if "train/mismatch_abs_max" in r]
+        assert mism and all(r["train/mismatch_abs_max"] <= 1e-5 for r in mism), mism
+        assert all(r["train/mismatch_frac"] == 0.0 for r in mism)
     md = (out / "results.md").read_text()
     assert "| grpo.loss=grpo | 1 |" in md and "| grpo.loss=cispo | 1 |" in md
     assert (out / "ex.png").stat().st_size > 5_000
