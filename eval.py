@@ -221,7 +221,7 @@ def generate_chunk(model, tok, exs: list[dict], first: int, cfg, n: int, seed: i
     spider = cfg.reward.mode == "spider"  # score the line as `score` will read it
     eps = [reward.episode(t, ex, cfg.data.db_root, official_pred_text(line) if spider else line)
            for t, ex, line in zip(trajs, reps, lines)]
-    rws = reward.episode_rewards(eps, cfg.reward, cfg.env.protocol)
+    rws = reward.episode_rewards(eps, cfg.reward, cfg.env.protocol, reward.conversation_pieces(tok, cfg.env))
     keys = [None] * len(trajs)
     if n > 1:  # majority vote needs each answer's result
         todo = [i for i, (r, e) in enumerate(zip(rws, eps)) if r["format_ok"] and e["final_sql"].strip()]

@@ -56,6 +56,8 @@ def advantages(rewards: Tensor, group_size: int, mode: str = "group", eps: float
     A group with equal rewards gets 0 in every mode (0 / (0 + eps)).
     """
     assert rewards.dim() == 1 and rewards.numel() % group_size == 0, (rewards.shape, group_size)
+    if rewards.numel() == 0:  # every group filtered out: nothing to normalise (and no std warning)
+        return rewards.float()
     r = rewards.float().view(-1, group_size)  # (P, G)
     centered = r - r.mean(dim=1, keepdim=True)
     if mode == "none":

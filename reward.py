@@ -282,6 +282,16 @@ def episode(traj, example: dict, db_root, final_sql: str | None = None) -> dict:
             "finished": traj.finished, "steps": traj.steps}
 
 
+def conversation_pieces(tokenizer, env_cfg) -> tuple[str, ...]:
+    """The chat-template text that the conversation format (env.conversation = conversation)
+    inserts between an assistant turn and an observation (rollout.conversation_wrapper), for
+    format_ok's template_pieces; () in the single-message format, which inserts none."""
+    if getattr(env_cfg, "conversation", "single") != "conversation":
+        return ()
+    import rollout  # lazy: reward.py stays importable without the model side
+    return tuple(p for p in rollout.conversation_wrapper(tokenizer) if p)
+
+
 def episode_rewards(episodes: list[dict], cfg: RewardConfig, protocol: str = "tags",
                     template_pieces: tuple[str, ...] = ()) -> list[dict]:
     """episode: {db_path, gold_sql, response, final_sql, finished, steps} ->

@@ -266,7 +266,7 @@ def run_episodes(model, tok, exs, cfg: C.Config, *, n: int, seed: int, greedy: b
     rep = [ex for ex in exs for _ in range(n)]  # rollout returns the n samples of an example together
     with phase("reward"):
         rw = reward.episode_rewards([reward.episode(t, ex, cfg.data.db_root) for t, ex in zip(trajs, rep)],
-                                    cfg.reward, cfg.env.protocol)
+                                    cfg.reward, cfg.env.protocol, reward.conversation_pieces(tok, cfg.env))
     return trajs, rw, t1 - t0, time.time() - t1
 
 

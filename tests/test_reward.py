@@ -361,3 +361,13 @@ def test_handwritten_rewrites_and_wrong_queries():
         got = [ok for ok, _ in reward.match_batch(items, mode)]
         want = [w[mode_i] == "T" for *_, w in REWRITES]
         assert got == want, (mode, [r[2] for r, a, b in zip(REWRITES, got, want) if a != b])
+
+
+def test_conversation_pieces_only_in_conversation_format(monkeypatch):
+    """The reward call sites pass rollout.conversation_wrapper's non-empty pieces in the
+    conversation format and nothing in the single-message format."""
+    import types
+    import rollout
+    monkeypatch.setattr(rollout, "conversation_wrapper", lambda tok: ("<|im_end|>", "\nU\n", ""))
+    assert reward.conversation_pieces(None, types.SimpleNamespace(conversation="conversation")) == ("<|im_end|>", "\nU\n")
+    assert reward.conversation_pieces(None, types.SimpleNamespace(conversation="single")) == ()
