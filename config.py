@@ -36,6 +36,7 @@ class ModelConfig:
     # compute dtype; weights, gradients and AdamW states are always fp32 (FSDP2 mixed precision)
     dtype: str = choice("float32", "float32", "bfloat16")
     activation_checkpointing: bool = False
+    fp32_lm_head: bool = False  # bf16 runs: LM head matmul + log-softmax of the loss in fp32
     # LoRA (lora.py): 0 = full fine-tune; > 0 freezes the base and trains rank-r adapters
     lora_rank: int = 0
     lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
@@ -152,6 +153,10 @@ class OptimConfig:
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     grad_clip: float = 0.5
     micro_batch_tokens: int = 16384  # tokens per forward/backward micro-batch
+    # packed rows of at most this many tokens, several per micro-batch (0: one row per micro-batch).
+    # CUDA's FlexAttention skips masked blocks: 0 is best there. CPU (SDPA with a dense mask, T² per
+    # row): ~512 measured best on the tiny model
+    pack_row_tokens: int = 0
 
 
 @dataclass

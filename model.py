@@ -192,7 +192,7 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(self.d, a.rms_norm_eps), RMSNorm(self.d, a.rms_norm_eps)
         self.qk_norm = a.qk_norm
 
-    def forward(self, x, cos, sin, kv=None):
+    def forward(self, x, cos, sin, kv=None, mask=None):
         B, T, _ = x.shape
         H, Hk, D = self.h, self.hk, self.d
         qkv = self.qkv_proj(x)  # (B, T, (H + 2 Hk) D)
@@ -202,9 +202,14 @@ class Attention(nn.Module):
             q, k = rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin)
         else:  # q and k are adjacent in the fused projection: one RoPE over all H + Hk heads
             q, k = rotate(qkv[..., :(H + Hk) * D].view(B, T, H + Hk, D), cos, sin).split([H, Hk], 2)
-        if kv is None:  # full causal sequence (training, scoring)
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True, enable_gqa=True)
+        if kv is None:  # full sequence (training, scoring): plain causal, or a packed row's mask
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if mask is None:
+                y = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+            elif isinstance(mask, torch.Tensor):  # (B, 1, T, T) bool, True = may attend (CPU path)
+                y = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
+            else:  # a FlexAttention BlockMask (CUDA): fused, never a (T, T) score matrix
+                y = _flex_attention()(qt, kt, vt, block_mask=mask, enable_gqa=True)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
         # cached: write the new K/V, attend over the used prefix of the cache with an explicit mask
         ck, cv, flat, sel, mask, S = kv  # ck/cv (B, Hk, max_len, D); flat (N*Hk,); mask (B, 1, T, S)
@@ -218,6 +223,21 @@ class Attention(nn.Module):
         kc, vc = ck[:, :, :S], cv[:, :, :S]  # (B, Hk, S, D)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D).to(x.dtype))
+
+
+_FLEX = None
+
+
+def _flex_attention():
+    """flex_attention compiled (eager flex is a slow reference loop; compile gives the fused kernel).
+    Default dynamic: the first width compiles static, a second width recompiles once with a symbolic
+    length; dynamic=False would compile every micro-batch width anew and, past dynamo's recompile
+    limit, fall back to the eager loop."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        _FLEX = torch.compile(flex_attention)
+    return _FLEX
 
 
 class MLP(nn.Module):
@@ -239,8 +259,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a)
 
-    def forward(self, x, cos, sin, kv=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
+    def forward(self, x, cos, sin, kv=None, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -261,6 +281,7 @@ class Transformer(nn.Module):
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.activation_checkpointing = False
+        self.fp32_lm_head = False  # bf16 runs: the head's matmul and log-softmax in fp32 (config model.fp32_lm_head)
         self._inv_freq = {}  # device -> fp32 inv_freq; not a buffer, so .to(bf16) and meta never touch it
 
     def set_activation_checkpointing(self, enabled: bool):
@@ -275,9 +296,15 @@ class Transformer(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, input_ids, positions=None, cache: KVCache | None = None, chunk_lens=None,
-                targets=None, temperature: float = 1.0, logits_at=None):
+                targets=None, temperature: float = 1.0, logits_at=None, attn_mask=None, loss_index=None):
         """logits_at: (B,) long -> only the logits at position logits_at[b] of each row, (B, V)
-        (the sampler's prefill/extend: never (B, T, V) for long prompts and a 152k vocab)."""
+        (the sampler's prefill/extend: never (B, T, V) for long prompts and a 152k vocab).
+
+        Training/scoring (no cache): targets (B, T) -> (logprobs, entropy) each (B, T). Packed rows
+        (packing.py): attn_mask is a (B, 1, T, T) bool tensor or a FlexAttention BlockMask, and
+        loss_index (N,) picks flat positions b*T + t whose next token is in the loss; then targets is
+        (N,) and the LM head and log-softmax run on those N positions only -> logprobs, entropy (N,).
+        A position may appear several times (a shared prompt's last token predicts G responses)."""
         B, T = input_ids.shape
         dev = input_ids.device
         ar = torch.arange(T, device=dev)
@@ -313,9 +340,9 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             kv = None if kv_ctx is None else (cache.k[i], cache.v[i], *kv_ctx)
             if ckpt:
-                h = checkpoint(layer, h, cos, sin, kv, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, kv, attn_mask, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, kv)
+                h = layer(h, cos, sin, kv, attn_mask)
         h = self.norm(h)
         if cache is not None:
             cache.lengths = new_len
@@ -323,6 +350,9 @@ class Transformer(nn.Module):
             return self.lm_head(h[torch.arange(B, device=dev), torch.as_tensor(logits_at, device=dev)])
         if targets is None:
             return self.lm_head(h)
+        if loss_index is not None:  # (N, C) hidden states of the loss positions only, as one row
+            lp, ent = self._logprobs(h.reshape(B * T, -1)[loss_index][None], targets[None], temperature)
+            return lp[0], ent[0]
         return self._logprobs(h, targets, temperature)
 
     def _logprobs(self, h, targets, temperature):
@@ -345,7 +375,11 @@ class Transformer(nn.Module):
         return torch.cat(lps, 1), torch.cat(ents, 1)
 
     def _chunk_logprobs(self, h, targets, temperature):
-        logp = torch.log_softmax(self.lm_head(h).float() / temperature, dim=-1)  # (B, c, V)
+        if self.fp32_lm_head:  # bf16 hidden states and weight upcast: the matmul itself in fp32
+            logits = F.linear(h.float(), self.lm_head.weight.float())
+        else:
+            logits = self.lm_head(h).float()
+        logp = torch.log_softmax(logits / temperature, dim=-1)  # (B, c, V)
         lp = logp.gather(-1, targets[..., None]).squeeze(-1)
         with torch.no_grad():
             ent = -(logp.exp() * logp).sum(-1)

@@ -19,6 +19,7 @@ import torch
 
 import config as C
 import env
+import packing
 import rollout
 
 
@@ -103,16 +104,12 @@ def batches(n_items: int, batch_size: int, steps: int, seed: int, rank: int, wor
         yield idx[rank::world]
 
 
-def sft_loss_sum(model, seqs, temperature: float = 1.0):
-    """Sum over masked tokens of −logp for a micro-batch of (ids, mask); the caller divides by the
-    global token count so micro-batches and ranks add up to one token-mean."""
+def sft_loss_sum(model, seqs, temperature: float = 1.0, row_tokens: int = 0):
+    """Sum over masked tokens of −logp for a micro-batch of (ids, mask), packed into one
+    padding-free row (each sequence attends to itself only; rows of ≤ row_tokens when > 0, see
+    packing.plan); the caller divides by the global
+    token count so micro-batches and ranks add up to one token-mean."""
     device = next(model.parameters()).device
-    T = max(len(s[0]) for s in seqs)
-    ids = torch.zeros(len(seqs), T, dtype=torch.long, device=device)
-    mask = torch.zeros(len(seqs), T, dtype=torch.float32, device=device)
-    for i, (s, m) in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, device=device)
-        mask[i, :len(m)] = torch.tensor(m, dtype=torch.float32, device=device)
-    logp, _ = model(ids[:, :-1], targets=ids[:, 1:], temperature=temperature)
-    m = mask[:, 1:]
-    return -(logp * m).sum()
+    mb, = packing.plan(seqs, None, budget=1 << 62, row_tokens=row_tokens or sum(len(s[0]) for s in seqs))
+    logp, _ = packing.forward(model, mb, device, temperature)  # (N,) loss tokens only
+    return -logp.sum()

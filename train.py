@@ -29,6 +29,7 @@ import dataset
 import grpo
 import lora
 import optim
+import packing
 import plot
 import reward
 import rollout
@@ -143,16 +144,9 @@ class PromptStream:
 # the update
 
 
-def pad(rows: list[list], value, device, dtype=torch.long) -> torch.Tensor:
-    T = max(len(r) for r in rows)
-    out = torch.full((len(rows), T), value, dtype=dtype, device=device)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r, dtype=dtype, device=device)
-    return out
-
-
 def pack(lengths: list[int], budget: int) -> list[list[int]]:
-    """Micro-batches of sequence indices, longest first, padded size ≤ budget tokens (≥ 1 seq each)."""
+    """Micro-batches of sequence indices, longest first, padded size ≤ budget tokens (≥ 1 seq each).
+    The padded per-sequence layout: kept as the reference the packed path is measured against."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     mbs, cur = [], []
     for i in order:
@@ -168,26 +162,37 @@ def token_logprobs(model, ids: torch.Tensor, temperature: float):
     return model(ids[:, :-1], targets=ids[:, 1:], temperature=temperature)
 
 
+def score(model, mbs, temperature: float, device) -> dict[int, torch.Tensor]:
+    """No-grad logprobs of every sequence's loss tokens: {sequence index: (n_loss_tokens,)}.
+    Stored per sequence, so any later packing (mini-batches, epochs) can look them up."""
+    out = {}
+    with torch.no_grad():
+        for mb in packing.pad_to_same_count(mbs, device):
+            if mb is None:
+                model(packing.dummy(device))  # keeps FSDP2's all-gathers in step across ranks
+                continue
+            lp, _ = packing.forward(model, mb, device, temperature)
+            out.update(zip(mb.members, lp.split(mb.counts)))
+    return out
+
+
 def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, world: int, device) -> dict:
-    """PPO epochs × mini-batches of optimizer steps on this rank's trajectories."""
+    """PPO epochs × mini-batches of optimizer steps on this rank's trajectories (packed rows)."""
     g, T = cfg.grpo, cfg.sampling.temperature
     budget = cfg.optim.micro_batch_tokens
-    seqs = [(t.ids, t.loss_mask, a) for t, a in zip(trajs, adv.tolist())]
+    seqs = [(t.ids, t.loss_mask) for t in trajs]
+    prompt_lens = [len(t.prompt_ids) if t.ids[:len(t.prompt_ids)] == t.prompt_ids else 0 for t in trajs]
+    adv = adv.tolist()
+    # each token's sampler logprob at the loss tokens, aligned like old_logp (rollout/trainer mismatch)
+    rollout_lp = {i: torch.tensor([t.logprobs[j] for j in range(1, len(t.ids)) if t.loss_mask[j]],
+                                  dtype=torch.float32, device=device) for i, t in enumerate(trajs)}
     # old logprobs: equal to the current ones (detached) when there is a single update per batch
     need_old = g.ppo_epochs * g.mini_batches > 1
-    old, ref = {}, {}
-    if need_old or ref_model is not None:
-        with torch.no_grad():
-            for mb in pad_to_same_count(pack([len(s[0]) for s in seqs], budget), device):
-                ids = pad([seqs[i][0] for i in mb], 0, device) if mb else dummy(device)
-                if need_old:
-                    lp, _ = token_logprobs(model, ids, T)
-                    for j, i in enumerate(mb):
-                        old[i] = lp[j]
-                if ref_model is not None:
-                    lp, _ = token_logprobs(ref_model, ids, T)
-                    for j, i in enumerate(mb):
-                        ref[i] = lp[j]
+    row_tokens = cfg.optim.pack_row_tokens
+    all_mbs = packing.plan(seqs, prompt_lens, budget, row_tokens) if need_old or ref_model is not None else []
+    old = score(model, all_mbs, T, device) if need_old else {}
+    ref = score(ref_model, all_mbs, T, device) if ref_model is not None else {}
+    loss_kw = grpo.loss_kwargs(g, cfg.sampling.max_context)
     stats, n_steps = {}, 0
     for epoch in range(g.ppo_epochs):
         # mini-batch split: contiguous slices of this rank's trajectories
@@ -198,23 +203,25 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
             masks = [torch.tensor(seqs[i][1][1:], dtype=torch.float32) for i in idx]
             norm = grpo.global_norm(masks, g.loss_agg)
             optimizer.zero_grad(set_to_none=True)
-            mbs = pad_to_same_count([[idx[j] for j in mb] for mb in pack([len(seqs[i][0]) for i in idx], budget)], device)
-            for mb in mbs:
-                if not mb:  # this rank has fewer micro-batches: a zero-weight pass keeps collectives in step
-                    ids = dummy(device)
-                    lp, ent = token_logprobs(model, ids, T)
-                    ((lp * 0).sum()).backward()
+            mbs = packing.plan([seqs[i] for i in idx], [prompt_lens[i] for i in idx], budget, row_tokens)
+            for mb in packing.pad_to_same_count(mbs, device):
+                if mb is None:  # this rank has fewer micro-batches
+                    packing.dummy_backward(model, device)
                     continue
-                ids = pad([seqs[i][0] for i in mb], 0, device)
-                mask = pad([seqs[i][1] for i in mb], 0, device, torch.float32)[:, 1:]
-                lp, ent = token_logprobs(model, ids, T)
-                a = torch.tensor([seqs[i][2] for i in mb], dtype=torch.float32, device=device)
-                old_lp = torch.stack([old[i] for i in mb])[:, :lp.shape[1]] if need_old else lp.detach()
-                ref_lp = torch.stack([ref[i] for i in mb])[:, :lp.shape[1]] if ref else None
-                loss, m = grpo.policy_loss(lp, old_lp, a, mask, clip_low=g.clip_low, clip_high=g.clip_high,
-                                           dual_clip_c=g.dual_clip_c, ref_logp=ref_lp, kl_beta=g.kl_beta,
-                                           agg=g.loss_agg, norm=norm, entropy=ent,
-                                           max_len=g.drgrpo_max_len or cfg.sampling.max_context)
+                members = [idx[j] for j in mb.members]
+                lp_flat, ent_flat = packing.forward(model, mb, device, T)  # (N,) loss tokens only
+                # (members, longest) per-sequence layout for the loss; padding is masked out
+                lp, ent = packing.pad_flat(lp_flat, mb.counts), packing.pad_flat(ent_flat, mb.counts)
+                mask = packing.pad_flat(torch.ones_like(lp_flat.detach()), mb.counts)
+                old_lp = packing.pad_flat(torch.cat([old[i] for i in members]), mb.counts) if need_old \
+                    else lp.detach()
+                ref_lp = packing.pad_flat(torch.cat([ref[i] for i in members]), mb.counts) if ref else None
+                # the sampler's logprobs, aligned like old_lp: rollout/trainer mismatch metrics, and
+                # the importance correction of grpo.rollout_is
+                rollout_logp = packing.pad_flat(torch.cat([rollout_lp[i] for i in members]), mb.counts)
+                a = torch.tensor([adv[i] for i in members], dtype=torch.float32, device=device)
+                loss, m = grpo.policy_loss(lp, old_lp, a, mask, ref_logp=ref_lp, rollout_logp=rollout_logp,
+                                           norm=norm, entropy=ent, **loss_kw)
                 (loss * world).backward()  # FSDP2 averages gradients over ranks; ×world makes it a sum
                 w = float(mask.sum())
                 for key, v in m.items():
@@ -230,26 +237,17 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
 
 
 def step_optimizer(model, optimizer, scheduler, cfg, stats) -> bool:
-    """Clip, check for non-finite gradients (skip the step if any), step. Returns True if stepped."""
+    """Clip, check for non-finite gradients (skip the step if any), step. Returns True if stepped.
+    Gradients are freed afterwards (set to None) so they are not held through the next rollout."""
     gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
     gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
     stats["_grad_norm"] = [float(gn), 1.0]
-    if not torch.isfinite(gn):
-        optimizer.zero_grad(set_to_none=True)
-        return False
-    optimizer.step()
-    scheduler.step()
-    return True
-
-
-def pad_to_same_count(mbs: list[list[int]], device) -> list[list[int]]:
-    """FSDP2 needs every rank to run the same number of forward/backward passes."""
-    n = all_max(len(mbs), device)
-    return mbs + [[] for _ in range(n - len(mbs))]
-
-
-def dummy(device):
-    return torch.zeros(1, 2, dtype=torch.long, device=device)
+    ok = bool(torch.isfinite(gn))
+    if ok:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return ok
 
 
 # -----------------------------------------------------------------------------
@@ -349,6 +347,7 @@ def main():
     base_path = checkpoint.lora_base_path(cfg) if use_lora else cfg.model.path
     model = Transformer.from_pretrained(base_path, dtype=torch.float32, device=device)
     model.set_activation_checkpointing(cfg.model.activation_checkpointing)
+    model.fp32_lm_head = cfg.model.fp32_lm_head
     if use_lora:
         spec = lora.apply(model, cfg.model)
         log.print(f"LoRA: rank {spec.rank}, alpha {spec.alpha:g}, targets {','.join(spec.targets)}, base {base_path}")
@@ -472,6 +471,7 @@ def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log):
     base the adapters train on. Written to a temporary folder and renamed (a kill leaves none)."""
     full = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32, device=device)
     full.set_activation_checkpointing(cfg.model.activation_checkpointing)
+    full.fp32_lm_head = cfg.model.fp32_lm_head
     full = shard(full, compute_dtype(cfg))
     run_sft(full, tok, train_ex, eval_ex, cfg, rank, world, device, log)
     msd = checkpoint.full_model_state(full)
@@ -500,12 +500,12 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log):
         n_tok = all_sum([sum(sum(m[1:]) for _, m in seqs)], device)[0]
         opt.zero_grad(set_to_none=True)
         tot = 0.0
-        for mb in pad_to_same_count(pack([len(q[0]) for q in seqs], cfg.optim.micro_batch_tokens), device):
-            if not mb:
-                lp, _ = token_logprobs(model, dummy(device), 1.0)
-                (lp * 0).sum().backward()
+        mbs = packing.plan(seqs, None, cfg.optim.micro_batch_tokens, cfg.optim.pack_row_tokens)
+        for mb in packing.pad_to_same_count(mbs, device):
+            if mb is None:
+                packing.dummy_backward(model, device)
                 continue
-            loss_sum = sft.sft_loss_sum(model, [seqs[j] for j in mb])
+            loss_sum = sft.sft_loss_sum(model, [seqs[j] for j in mb.members], row_tokens=cfg.optim.pack_row_tokens)
             (loss_sum / n_tok * world).backward()
             tot += loss_sum.detach().item()
         stats = {}
