@@ -2,6 +2,10 @@
 
 <out_dir>/ckpt_<step>/
     hf/            HF folder (config.json, model.safetensors, tokenizer): transformers loads it
+                   (LoRA runs: the merged weights, only with model.lora_save_merged)
+    adapter/       LoRA runs only: adapter_config.json + adapter_model.safetensors in PEFT's format,
+                   PeftModel.from_pretrained(base, ckpt/adapter) loads it; the frozen base is not
+                   saved again (it is model.path, or <out_dir>/base after a warm start)
     trainer.pt     optimizer (full state dict), scheduler, RNG states of every rank, step, phase
     config.yaml    the resolved config of the run
 
@@ -26,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 import config as C
+import lora
 
 
 def _rank() -> int:
@@ -60,7 +65,11 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, tokenizer, cfg: C
          keep: int = 2) -> str | None:
     """Collective: every rank must call it. Returns the checkpoint path on rank 0."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    msd = get_model_state_dict(model, options=opts)
+    lora_run = hasattr(model, "lora_spec")
+    # LoRA: gather the adapters only (the base is frozen and on disk already), unless merged
+    # HF weights are asked for
+    msd = get_model_state_dict(model, options=opts) if not lora_run or cfg.model.lora_save_merged \
+        else adapter_full_state(model)
     osd = get_optimizer_state_dict(model, optimizer, options=opts) if optimizer is not None else None
     rngs = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():
@@ -74,7 +83,12 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, tokenizer, cfg: C
         final = out / f"ckpt_{step:06d}"
         tmp = out / f".tmp_ckpt_{step:06d}"
         shutil.rmtree(tmp, ignore_errors=True)
-        export_hf(model, msd, tmp / "hf", tokenizer)
+        if lora_run:
+            lora.save_adapter(model, tmp / "adapter", base_path=lora_base_path(cfg), state_dict=msd)
+            if cfg.model.lora_save_merged:
+                export_hf(model, lora.merged_state_dict(model, msd), tmp / "hf", tokenizer)
+        else:
+            export_hf(model, msd, tmp / "hf", tokenizer)
         torch.save({"step": step, "optimizer": osd, "scheduler": scheduler.state_dict() if scheduler else None,
                     "rng": rngs, "extra": extra}, tmp / "trainer.pt")
         (tmp / "config.yaml").write_text(C.dump(cfg))
@@ -90,6 +104,23 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, tokenizer, cfg: C
     return path
 
 
+def adapter_full_state(model) -> dict:
+    """{name: full fp32 CPU tensor} of the trainable parameters (the LoRA adapters). Collective:
+    each DTensor's full_tensor() all-gathers it, in the same parameter order on every rank."""
+    out = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[n] = t.detach().to("cpu", torch.float32)
+    return out if _rank() == 0 else {}
+
+
+def lora_base_path(cfg: C.Config) -> str:
+    """The frozen base a LoRA run adapts: model.path, or after an SFT warm start of the full
+    model, the warm weights in <out_dir>/base (written once, before LoRA is applied)."""
+    return str(Path(cfg.train.out_dir) / "base") if cfg.sft.steps > 0 else cfg.model.path
+
+
 def export_hf(model, full_sd: dict, folder: Path, tokenizer=None):
     """Write an HF folder from a gathered full state dict (rank 0 only)."""
     model.save_pretrained(str(folder), state_dict=full_sd)
@@ -103,7 +134,8 @@ def latest(out_dir: str) -> str | None:
 
 
 def load(path: str, model, optimizer, scheduler) -> dict:
-    """Collective. Loads weights, optimizer, scheduler and this rank's RNG; returns the extras.
+    """Collective. Loads weights (a LoRA model: its adapters), optimizer, scheduler and this
+    rank's RNG; returns the extras.
 
     Only rank 0 reads the files: the weights and the optimizer's full state are broadcast from
     it and each rank keeps its own shard (broadcast_from_rank0), the small rest (step, scheduler,
@@ -114,12 +146,15 @@ def load(path: str, model, optimizer, scheduler) -> dict:
     if rank == 0:
         from safetensors.torch import load_file
         blob = torch.load(Path(path) / "trainer.pt", map_location="cpu", weights_only=False)
-        for f in sorted((Path(path) / "hf").glob("*.safetensors")):
-            sd.update(load_file(str(f)))
-        import model as model_lib
-        sd = model_lib._from_hf(sd, model.config)  # HF names -> ours (fused qkv / gate-up)
-        if model.config.tie_word_embeddings:
-            sd["lm_head.weight"] = sd["embed_tokens.weight"]
+        if hasattr(model, "lora_spec"):  # adapters only: the base was loaded from its own folder
+            sd = lora.read_adapter(model, Path(path) / "adapter")
+        else:
+            for f in sorted((Path(path) / "hf").glob("*.safetensors")):
+                sd.update(load_file(str(f)))
+            import model as model_lib
+            sd = model_lib._from_hf(sd, model.config)  # HF names -> ours (fused qkv / gate-up)
+            if model.config.tie_word_embeddings:
+                sd["lm_head.weight"] = sd["embed_tokens.weight"]
         osd = blob["optimizer"] or {}
         meta = {k: blob[k] for k in ("step", "scheduler", "rng", "extra")}
         meta["has_optimizer"] = blob["optimizer"] is not None

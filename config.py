@@ -42,6 +42,7 @@ class ModelConfig:
     lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # on the adapters' input, training only
     lora_targets: str = "q,k,v,o,gate,up,down"  # comma-separated subset of these seven
+    lora_save_merged: bool = False  # also write merged HF weights to ckpt_<step>/hf (adapter/ always)
     # shape of the tiny model built when build_tiny and the folder is absent
     tiny_family: str = choice("qwen2", "qwen2", "qwen3", "llama")
     tiny_vocab_size: int = 1024
@@ -350,7 +351,7 @@ def from_dict(d: dict) -> Config:
 RESUMABLE_KEYS = {"train.steps", "train.log_every", "train.sample_every", "train.eval_every", "train.save_every",
                   "train.keep_checkpoints", "train.resume", "train.out_dir", "train.threads",
                   "train.dist_timeout_s", "train.max_bad_steps", "wandb.mode", "wandb.project", "wandb.name",
-                  "model.build_tiny", "data.prepare_toy", "env.workers"}
+                  "model.build_tiny", "data.prepare_toy", "env.workers", "model.lora_save_merged"}
 
 
 def changed_keys(saved: Config, current: Config) -> list[str]:

@@ -109,9 +109,18 @@ def shard(model: Transformer, dtype: torch.dtype):
 
     The model must be loaded in fp32: those are the master weights (sharded, what AdamW updates).
     MixedPrecisionPolicy all-gathers them cast to `dtype` for forward/backward and reduce-scatters
-    gradients in fp32, so bf16 compute never rounds an update of lr·step ≪ bf16's 2^-8 away."""
+    gradients in fp32, so bf16 compute never rounds an update of lr·step ≪ bf16's 2^-8 away.
+
+    Frozen parameters (a LoRA base, requires_grad False) are cast to `dtype` here: they are never
+    updated, so they need no fp32 master (half the memory in bf16). FSDP2 shards them in the same
+    groups as the fp32 adapters: it needs one dtype only among a group's trainable parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    assert all(p.dtype == torch.float32 for p in model.parameters()), "load the model in fp32 (masters)"
+    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad), \
+        "load the model in fp32 (masters)"
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(dtype)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for block in model.layers:
         fully_shard(block, mp_policy=mp)
@@ -185,8 +194,10 @@ def memory_estimate(model: Transformer, cfg: C.Config, world: int) -> dict:
     """GB per device, for the FSDP2 layout used on every world size (one rank included): fp32
     master weights, fp32 gradients and two fp32 AdamW moments, each sharded over `world`; the full
     weights gathered in the compute dtype during a rollout; the KV cache; one micro-batch's
-    activations (compute dtype)."""
+    activations (compute dtype). Frozen parameters (a LoRA base) count once, in the compute
+    dtype, with no gradients or AdamW moments (shard() casts them)."""
     n = param_count(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     a = model.config
     gb = 1024 ** 3
     unsharded_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
@@ -196,7 +207,8 @@ def memory_estimate(model: Transformer, cfg: C.Config, world: int) -> dict:
     tok, per_block = cfg.optim.micro_batch_tokens, (4 * a.hidden_size + 3 * a.intermediate_size) * unsharded_bytes
     acts = tok * (a.hidden_size * unsharded_bytes * a.num_hidden_layers + per_block) \
         if cfg.model.activation_checkpointing else tok * per_block * a.num_hidden_layers
-    est = {"params": 4 * n / world / gb, "grads": 4 * n / world / gb, "adam": 8 * n / world / gb,
+    weights = 4 * trainable + unsharded_bytes * (n - trainable)
+    est = {"params": weights / world / gb, "grads": 4 * trainable / world / gb, "adam": 8 * trainable / world / gb,
            "rollout_weights": unsharded_bytes * n / gb, "kv_cache": cfg.sampling.kv_budget_tokens * kv_per_tok / gb,
            "activations": acts / gb}
     est["total"] = sum(est.values())

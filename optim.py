@@ -32,6 +32,7 @@ def lr_lambda(warmup: int, total: int, schedule: str = "constant", min_ratio: fl
 
 
 def make_optimizer(model, o: C.OptimConfig, lr: float, warmup: int, total: int):
-    """AdamW over the (fp32 master) parameters + its LambdaLR schedule."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+    """AdamW over the trainable (fp32 master) parameters + its LambdaLR schedule. Under LoRA only
+    the adapters: the frozen base gets no moments and no weight decay."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total, o.schedule, o.min_lr_ratio))

@@ -10,7 +10,7 @@
 # against transformers `generate`, Qwen2.5-0.5B shape, bf16, batch 64 and 256; (4) the rollout-scale
 # benchmark at the SkyRL ratio; (5) the update step (packing, MFU, peak memory); (6) ten GRPO steps
 # of a 0.5B-bodied model on the toy data, multi-turn, one process: time split, tokens/s, peak memory
-# per phase against memory_estimate; (7) one 32k-token micro-batch of a Qwen2.5-7B-shaped model
+# per phase against memory_estimate; (6b) the same with LoRA r=32 (lora_steps); (7) one 32k-token micro-batch of a Qwen2.5-7B-shaped model
 # with activation checkpointing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ export PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 
-PARTS=${PARTS:-tests attention sampler sampler_graphs rollout_scale train_step grpo_steps long_microbatch}
+PARTS=${PARTS:-tests attention sampler sampler_graphs rollout_scale train_step grpo_steps lora_steps long_microbatch}
 
 part() {  # part NAME SECONDS COMMAND...: run under a time limit, log to $OUT/NAME.txt, keep going
     local name=$1 limit=$2
@@ -69,6 +69,24 @@ part grpo_steps 250 $PY train.py configs/tiny.yaml --model.path=runs/gpu/model05
     --sampling.max_context=2048 --sampling.cuda_graphs=true --env.max_turns=3 --data.max_eval_examples=64 --train.steps=10 --train.eval_every=0 \
     --train.sample_every=0 --train.threads=0 --train.resume=false --train.out_dir=runs/gpu_grpo_run
 [ -f runs/gpu_grpo_run/metrics.jsonl ] && cp runs/gpu_grpo_run/metrics.jsonl "$OUT/grpo_metrics.jsonl"
+
+# (6b) the same model with LoRA r=32 on all seven projections (the 7B LoRA recipe's adapter): the
+# SFT warm start trains the full model into the run's base/, then 3 GRPO steps train only the
+# adapters (frozen bf16 base, merged-weight rollouts); headlines: step time, peak GB per phase.
+part lora_steps 300 $PY train.py configs/tiny.yaml --model.path=runs/gpu/model05b --model.dtype=bfloat16 \
+    --model.tiny_hidden_size=896 --model.tiny_layers=24 --model.tiny_heads=14 --model.tiny_kv_heads=2 \
+    --model.tiny_intermediate_size=4864 --model.activation_checkpointing=true \
+    --model.lora_rank=32 --model.lora_alpha=64 --sft.steps=60 --sft.lr=3e-4 --optim.lr=1e-4 \
+    --grpo.dynamic_sampling=false --grpo.prompts_per_step=64 --sampling.max_context=2048 --env.max_turns=3 \
+    --data.max_eval_examples=64 --train.steps=3 --train.eval_every=0 --train.sample_every=0 --train.threads=0 \
+    --train.resume=false --train.out_dir=runs/gpu_lora_run
+[ -f runs/gpu_lora_run/metrics.jsonl ] && $PY -c '
+import json, sys
+m = [r for r in map(json.loads, open(sys.argv[1])) if "time/step" in r]
+print("lora_step_s:", round(sum(r["time/step"] for r in m[1:]) / max(1, len(m) - 1), 2))  # after the first
+for k in ("rollout", "update"):
+    print(f"lora_{k}_peak_gb:", round(max(r.get(f"mem/{k}_peak_gb", 0) for r in m), 2))
+' runs/gpu_lora_run/metrics.jsonl | tee -a "$SUMMARY"
 
 # (7) one 32k-token micro-batch, 7B shape
 part long_microbatch 150 $PY bench/long_microbatch.py --shape qwen2.5-7b --tokens 32768

@@ -11,21 +11,32 @@ Prints one `RESULT <case> ... ok|MISMATCH` line per case on rank 0, exits non-ze
                 requires one dtype only among the trainable parameters of a group), bf16
                 compute / fp32 reduce; grads fp32 on adapters only, close to the fp32
                 reference; an AdamW step changes adapters only.
+- train_step:   the trainer's own path (distributed.shard, optim.make_optimizer): AdamW holds
+                only the adapters, and one step on N ranks gives the 1-process weights (all of
+                them: the base does not move).
+- checkpoint:   checkpoint.save (adapter/ in PEFT's format + AdamW state) on N ranks, then
+                checkpoint.load into a fresh model: identical adapters and moments on every rank.
 - merged_unsharded, merged_bf16: lora.merged on the sharded model (fp32; bf16 base and compute)
                 gives the adapter forward's logits, and its exit leaves the sharded base
                 bit-identical (the merge wrote into the gathered copies).
 """
 import copy
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoint  # noqa: E402
 import config as C  # noqa: E402
+import distributed  # noqa: E402
 import lora  # noqa: E402
+import optim  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
 V, B, T = 37, 6, 11
@@ -105,6 +116,46 @@ def main():
                and all(not torch.equal(full(p), adapters_before[n])
                        for n, p in model.named_parameters() if p.requires_grad))
     results["bf16_base"] = (dtypes_ok and rel < 0.05 and stepped, f"max_rel_grad_err={rel:.2e}")
+
+    # train_step: the trainer's path (distributed.shard, optim.make_optimizer over the adapters),
+    # one AdamW step on this rank's rows == the same step on the whole batch in one process
+    o = C.OptimConfig(weight_decay=0.01)
+    ref = copy.deepcopy(base)
+    ref_opt, _ = optim.make_optimizer(ref, o, 1e-2, 0, 10)
+    loss_on(ref, ids, torch.arange(B)).backward()
+    ref_opt.step()
+    model = distributed.shard(copy.deepcopy(base), torch.float32)
+    opt, _ = optim.make_optimizer(model, o, 1e-2, 0, 10)
+    only_adapters = len(opt.param_groups[0]["params"]) == sum(p.requires_grad for p in model.parameters())
+    (loss_on(model, ids, rows) * world).backward()
+    opt.step()
+    refp = dict(ref.named_parameters())
+    diff = max((full(p) - refp[n]).abs().max().item() for n, p in model.named_parameters())
+    results["train_step"] = (diff <= 1e-6 and only_adapters, f"max_weight_diff={diff:.2e}")
+
+    # checkpoint: save the stepped model's adapter/ + AdamW state on N ranks, load into a fresh
+    # sharded LoRA model (other random adapters): rank 0 reads, every rank gets its shards
+    box = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    cfg = C.Config()
+    cfg.model.lora_rank, cfg.model.lora_alpha, cfg.sft.steps = 4, 8.0, 0
+    ck = checkpoint.save(box[0], 1, model, opt, None, None, cfg, {"cursor": 0})
+    fresh = build()
+    with torch.no_grad():
+        for n, p in fresh.named_parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.3)
+    fresh = distributed.shard(fresh, torch.float32)
+    fresh_opt, _ = optim.make_optimizer(fresh, o, 1e-2, 0, 10)
+    checkpoint.load(str(Path(box[0]) / "ckpt_000001"), fresh, fresh_opt, None)
+    wd = max((full(p) - full(q)).abs().max().item() for p, q in zip(model.parameters(), fresh.parameters()))
+    sd, fsd = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    md = max((full(sd[i][k]) - full(fsd[i][k])).abs().max().item() for i in sd for k in ("exp_avg", "exp_avg_sq"))
+    saved = rank != 0 or (Path(ck) / "adapter" / "adapter_model.safetensors").exists()
+    results["checkpoint"] = (wd == 0 and md == 0 and saved, f"max_weight_diff={wd:.1e} max_adam_diff={md:.1e}")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(box[0], ignore_errors=True)
 
     # merged on the sharded model: same logits, sharded base untouched (fp32; bf16 base + compute)
     for case, bf16, tol in (("merged_unsharded", False, 1e-5), ("merged_bf16", True, 0.1)):

@@ -8,6 +8,7 @@ stays as the config says, so a recipe that rots fails here. ~1 min on 2 cores, o
 """
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -91,6 +92,11 @@ def test_config_runs_one_tiny_step(path, assets, tmp_path, monkeypatch, capsys):
     assert "[random baseline] EX" in log and "--- sample" in log and "tool calls" in log
     if recipe.sft.steps:
         assert "sft/loss" in keys
+    if recipe.model.lora_rank:  # the run trained the adapters only, saved in PEFT's format
+        assert f"LoRA: rank {recipe.model.lora_rank}, alpha {recipe.model.lora_alpha:g}" in log, log[-2000:]
+        assert (out / "ckpt_000001" / "adapter" / "adapter_model.safetensors").exists()
+        m = re.search(r"model: ([\d.]+)M params, ([\d.]+)M trainable", log)
+        assert m and 0 < float(m[2]) < float(m[1]) / 2, log[-2000:]
     if live and importlib.util.find_spec("matplotlib"):
         assert (out / "metrics.png").stat().st_size > 10_000
     # the run used the recipe's settings (only the sizes and paths above were changed)

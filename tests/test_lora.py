@@ -336,4 +336,5 @@ def test_fsdp2_shards_lora(world):
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     out = p.stdout + p.stderr
     results = dict(re.findall(r"RESULT (\S+) .* (ok|MISMATCH)", out))
-    assert p.returncode == 0 and results == {c: "ok" for c in ("fp32", "bf16_base", "merged_unsharded", "merged_bf16")}, out[-4000:]
+    assert p.returncode == 0 and results == {c: "ok" for c in ("fp32", "bf16_base", "train_step", "checkpoint", "merged_unsharded",
+                                                                   "merged_bf16")}, out[-4000:]
