@@ -209,10 +209,12 @@ def test_single_long_opcode_is_killed_and_worker_replaced(tiny_db):
     # instr() over a 1 MB haystack and a 300 KB needle is one opcode running for ~10 s: the progress
     # handler never fires, only the pool's hard wall budget (timeout + KILL_MARGIN_S) stops it
     slow = "SELECT instr(printf('%.*c', 1000000, 'a'), printf('%.*c', 300000, 'a') || 'b')"
-    pool = sandbox.get_pool().wait_ready()
+    # two workers, whatever size an earlier test left the shared pool at: with one, the second
+    # query would wait behind the killed one and miss its own deadline
+    pool = sandbox.get_pool(2).wait_ready()
     before = pool.replaced
     t0 = time.monotonic()
-    rs = env.run_sql_batch([(tiny_db, slow), (tiny_db, "SELECT count(*) FROM singer")], timeout_s=0.3)
+    rs = env.run_sql_batch([(tiny_db, slow), (tiny_db, "SELECT count(*) FROM singer")], timeout_s=0.3, workers=2)
     wall = time.monotonic() - t0
     assert rs[0].timed_out and not rs[0].ok and "killed" in rs[0].error
     assert rs[1].ok and rs[1].rows == [(60,)]  # in order, unaffected
