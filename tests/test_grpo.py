@@ -70,6 +70,17 @@ def test_batch_and_none_advantage_hand():
     assert approx(advantages(r * 10, 2, "none"), [5.0, -5.0, 0.0, 0.0])
 
 
+@pytest.mark.parametrize("mode", ["group", "batch", "none"])
+def test_empty_batch_advantages(mode):
+    """Dynamic sampling can drop every group: no rewards -> no advantages, and no torch warning
+    ("std(): degrees of freedom is <= 0") on the way."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a = advantages(torch.zeros(0), 4, mode)
+    assert a.shape == (0,) and a.dtype == torch.float32
+
+
 def test_degenerate_groups():
     same = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])
     for mode in ("group", "batch", "none"):
