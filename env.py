@@ -199,7 +199,8 @@ def step_record(step: StepResult) -> dict:
     """What reward.py's dense shaping needs from one actions-protocol step."""
     r = step.result
     return {"kind": step.action.kind, "arg": step.action.arg, "ok": bool(r and r.ok),
-            "rows": list(r.rows) if (r and r.ok and step.action.kind == "query") else None}
+            "rows": list(r.rows) if (r and r.ok and step.action.kind == "query") else None,
+            "n_rows": len(r.rows) if (r and r.ok) else None}  # eval's error-recovery rate
 
 
 if __name__ == "__main__":

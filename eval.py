@@ -24,7 +24,8 @@ solution, writes PLACEHOLDER, which always scores wrong; with --n > 1 the majori
 execution result), gold.sql (`SQL<TAB>db_id`, for `score`), traces.jsonl (one line per episode:
 every turn's model text and observation, reward, exec_match, stop reason) and summary.json (EX
 overall and by source, with --n > 1 pass@k and majority@k, mean turns and tool calls, format-
-error rate, the decoding label). Examples go in fixed chunks (a progress line with ETA after
+error rate, error recovery: episodes whose first query failed or returned no rows and how many of
+them still ended right, the decoding label). Examples go in fixed chunks (a progress line with ETA after
 each), dealt round-robin to ranks; each rank holds a full model copy; rank 0 gathers in order.
 Summary EX uses reward.mode on the lines as written, so `score` on predictions.sql agrees.
 
@@ -238,8 +239,16 @@ def generate_chunk(model, tok, exs: list[dict], first: int, cfg, n: int, seed: i
                      "exec_match": bool(rw["exec_match"]), "format_ok": bool(rw["format_ok"]),
                      "error": rw["error"] or None, "stop_reason": t.stop_reason, "finished": t.finished,
                      "num_turns": t.num_turns, "num_tool_calls": t.num_tool_calls,
-                     "response_tokens": int(sum(t.loss_mask)), "turns": turns_of(t, tok), "_key": keys[k]})
+                     "response_tokens": int(sum(t.loss_mask)), "turns": turns_of(t, tok),
+                     "first_query_bad": first_query_bad(t.steps), "_key": keys[k]})
     return recs
+
+
+def first_query_bad(steps: list[dict]) -> bool:
+    """Did the episode's first SQL tool call (`<sql>` or the actions protocol's QUERY; DESCRIBE and
+    SAMPLE are not queries) fail, time out or return no rows? steps: env.step_record dicts."""
+    first = next((s for s in steps if s["kind"] in ("sql", "query")), None)
+    return first is not None and (not first["ok"] or first["n_rows"] == 0)
 
 
 def summarise_generation(recs: list[dict], n: int, label: str) -> tuple[dict, list[str]]:
@@ -263,7 +272,12 @@ def summarise_generation(recs: list[dict], n: int, label: str) -> tuple[dict, li
               "mean_tool_calls": sum(r["num_tool_calls"] for r in recs) / E,
               "format_error_rate": sum(not r["format_ok"] for r in recs) / E,
               "placeholder_rate": sum(p["prediction"] == PLACEHOLDER for p in picks) / max(1, len(picks)),
+              # error recovery: of the episodes whose first query failed or returned nothing, the
+              # share that still ended right (what reading an observation and retrying earns)
+              "first_query_bad": sum(r["first_query_bad"] for r in recs),
+              "recovered": sum(r["first_query_bad"] and r["exec_match"] for r in recs),
               "stop_reasons": dict(collections.Counter(r["stop_reason"] for r in recs).most_common())})
+    s["recovery_rate"] = s["recovered"] / s["first_query_bad"] if s["first_query_bad"] else None
     for r in recs:
         r["chosen"] = r["sample"] == chosen[r["index"]]
     return s, [p["prediction"] for p in picks]
@@ -355,7 +369,8 @@ def cmd_generate(args) -> None:
         srcs = ", ".join(f"{k} {100 * v['ex']:.1f}% ({v['n']})" for k, v in summary["ex_by_source"].items())
         say(f"[{label}] EX {100 * summary['ex']:.2f}% ({srcs}){extra} | fmt-err "
             f"{100 * summary['format_error_rate']:.1f}% | turns {summary['mean_turns']:.2f} tool calls "
-            f"{summary['mean_tool_calls']:.2f} | {len(exs)} examples in {summary['time_s']:.0f}s")
+            f"{summary['mean_tool_calls']:.2f} | first query failed/empty {summary['first_query_bad']}, "
+            f"recovered {summary['recovered']} | {len(exs)} examples in {summary['time_s']:.0f}s")
         root = spider_db_root(exs)
         say(f"wrote {args.out}/predictions.sql, gold.sql, traces.jsonl, summary.json"
             + (f"; rescore: python eval.py score --pred {args.out}/predictions.sql --gold {args.out}/gold.sql "

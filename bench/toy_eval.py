@@ -38,14 +38,10 @@ def breakdown(traces: list[dict], records: list[dict]) -> dict:
     word = lambda t: re.findall(r"'([A-Za-z]+)", gold[t["id"]])[0]  # noqa: E731
     out["tool_word_right"] = round(100 * sum(f"'{word(t)}" in t["prediction"] for t in tool) / max(1, len(tool)), 1)
     # a first query that failed or returned nothing, and the episode still ended right
-    first_bad = [t for t in traces if t["num_tool_calls"] and _bad(t["turns"][0]["observation"])]
+    first_bad = [t for t in traces if t["first_query_bad"]]  # eval.py generate sets it per episode
     out["first_query_bad"] = len(first_bad)
     out["recovered"] = sum(t["exec_match"] for t in first_bad)
     return out
-
-
-def _bad(observation: str) -> bool:
-    return "Error executing SQL" in observation or "(0 rows)" in observation or "SQL Timeout" in observation
 
 
 def main():

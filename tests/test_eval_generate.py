@@ -272,6 +272,34 @@ def test_stub_majority_and_pass_at_k(setup, monkeypatch):
     assert ex == pytest.approx(s["ex"])
 
 
+def test_stub_error_recovery(setup, monkeypatch):
+    """The summary's error recovery counts episodes whose first query (not a DESCRIBE) failed or
+    returned no rows, and those of them that still ended right."""
+    d, data, base = setup
+    exs = dataset.load_examples(data, d / "toy", LIMIT)
+    step = lambda kind, ok, n_rows: {"kind": kind, "arg": "", "ok": ok, "rows": None, "n_rows": n_rows}  # noqa: E731
+    plan = [([step("sql", False, None)], RIGHT),             # failed, recovered
+            ([step("sql", True, 0), step("sql", True, 3)], RIGHT),  # empty, recovered
+            ([step("sql", True, 0)], WRONG),                 # empty, not recovered
+            ([step("sql", True, 2)], WRONG),                 # a good first query: not counted
+            ([step("describe", False, None), step("query", True, 1)], RIGHT),  # first QUERY was fine
+            ([], ERROR)]                                     # no tool call
+    fake = stub_rollout({e["id"]: [kind] for e, (_, kind) in zip(exs, plan)})
+    steps_of = {e["id"]: steps for e, (steps, _) in zip(exs, plan)}
+
+    def with_steps(model, tok, chunk, *args, **kw):  # called once per chunk of examples
+        trajs = fake(model, tok, chunk, *args, **kw)
+        for t, ex in zip(trajs, chunk):
+            t.steps = steps_of[ex["id"]]
+        return trajs
+    monkeypatch.setattr(rollout, "rollout", with_steps)
+    out = str(d / "stub_recovery")
+    run_main(base + ["--out", out])
+    _, traces, s = read_out(out)
+    assert [t["first_query_bad"] for t in traces] == [True, True, True, False, False, False]
+    assert (s["first_query_bad"], s["recovered"]) == (3, 2) and s["recovery_rate"] == pytest.approx(2 / 3)
+
+
 def test_greedy_with_n_gt_1_is_refused(setup):
     _, _, base = setup
     with pytest.raises(SystemExit, match="--temperature"):
