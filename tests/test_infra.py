@@ -3,6 +3,7 @@ the SQL pool size per rank, prompt-length filtering, the eval temperature, the e
 
     pytest -q tests/test_infra.py
 """
+import re
 import types
 
 import pytest
@@ -15,6 +16,7 @@ import sandbox
 import sft
 import tiny
 import train
+from conftest import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +134,41 @@ def test_train_eval_decodes_at_sampling_eval_temperature(T, monkeypatch):
     train.evaluate(None, None, [], cfg, 0, 1, torch.device("cpu"), log, 0)
     assert seen == ({"greedy": True, "temperature": 0.6} if T == 0 else {"greedy": False, "temperature": 0.8})
     assert cfg.sampling.temperature == 0.6  # the training temperature is untouched
+
+
+# -----------------------------------------------------------------------------
+# pinned installs: the README's figures come from a fresh clone only if both of its commands (and
+# .ci/run) install exact versions, and every requirement has one
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirement_names(path) -> set[str]:
+    names = set()
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line.startswith("-r "):
+            names |= _requirement_names(path.parent / line[3:].strip())
+        elif line:
+            names.add(_norm(re.split(r"[<>=!~\[; ]", line)[0]))
+    return names
+
+
+def test_every_requirement_is_pinned_and_every_install_uses_the_pins():
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version.strip(), f"constraints.txt: {line!r} is not an exact pin"
+            pins[_norm(name)] = version.strip()
+    missing = _requirement_names(ROOT / "requirements-dev.txt") - set(pins)
+    assert not missing, f"requirements without a pin in constraints.txt: {sorted(missing)}"
+    assert pins["torch"] == "2.13.0"
+    readme = (ROOT / "README.md").read_text()
+    commands = [line for line in readme.splitlines() if line.startswith("python3 -m venv .venv")]
+    commands.append((ROOT / ".ci" / "run").read_text().splitlines()[-1])
+    assert len(commands) == 3  # the README's two commands and CI's
+    for command in commands:
+        installs = [part for part in command.split("&&") if "pip install" in part]
+        assert len(installs) == 2 and all("-c constraints.txt" in part for part in installs), command
