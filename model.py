@@ -404,7 +404,9 @@ class Transformer(nn.Module):
             return self.lm_head(h)
         if loss_index is not None:  # (N, C) hidden states of the loss positions only, as one row
             lp, ent = self._logprobs(h.reshape(B * T, -1)[loss_index][None], targets[None], temperature)
-            return lp[0], ent[0]
+            # lp[0] would be a view: FSDP2 warns that an in-place op on a view output of the root
+            # module drops its pre-backward hook. A copy of N floats is free.
+            return lp[0].clone(), ent[0].clone()
         return self._logprobs(h, targets, temperature)
 
     def _logprobs(self, h, targets, temperature):
