@@ -497,6 +497,8 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log):
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]
     data = sft.build_dataset(train_ex, prompts, tok, cfg, db_paths)
     opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
+    # the stop check's questions: 128 spread over the training set (it is ordered by database)
+    probe = train_ex[::max(1, len(train_ex) // 128)][:128] if s.stop_at_train_ex > 0 else []
     for i, idx in enumerate(sft.batches(len(data), s.batch_size, s.steps, cfg.train.seed, rank, world)):
         seqs = [data[j] for j in idx]
         n_tok = all_sum([sum(sum(m[1:]) for _, m in seqs)], device)[0]
@@ -519,6 +521,14 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log):
                       f"{time.time() - t0:.0f}s")
         if s.eval_every and (i + 1) % s.eval_every == 0 and i + 1 < s.steps:
             evaluate(model, tok, eval_ex, cfg, rank, world, device, log, i + 1, prefix="sft/eval")
+        if probe and (i + 1) % max(1, s.stop_check_every) == 0 and i + 1 < s.steps:
+            # all-reduced: every rank sees the same EX and stops at the same step
+            ex = evaluate(model, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")["sft/train/ex"]
+            if ex >= s.stop_at_train_ex:
+                log.metrics(i + 1, {"sft/stopped_at": i + 1})
+                log.print(f"sft: stopped at step {i + 1} of {s.steps}: training EX {100 * ex:.1f}% >= "
+                          f"sft.stop_at_train_ex {100 * s.stop_at_train_ex:.0f}%")
+                break
     del opt, sch
 
 

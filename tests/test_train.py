@@ -1,6 +1,7 @@
 """The trainer end to end: GRPO raises reward on a trivial task (signs, masks, normalisation),
 the SFT gold trajectories mask exactly the model side, a 2-process torchrun run works, and a
 killed run resumes to bit-identical weights."""
+import dataclasses
 import json
 import os
 import signal
@@ -81,6 +82,39 @@ def test_sft_gold_trajectory_masks_model_side(tmp_path, tiny_model):
         assert model_text == f"{think}<sql>{gold}</sql>{think}<solution>{gold}</solution><|im_end|>"
         obs = tok.decode([i for i, m in zip(ids[len(p):], mask[len(p):]) if not m])
         assert "<observation>" in obs and "turns left" in obs  # the real tool output, not trained on
+
+
+@pytest.mark.parametrize("threshold, stops_at", [(0.4, 20), (0.0, None), (0.9, None)])
+def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, monkeypatch, threshold, stops_at):
+    """sft.stop_at_train_ex: the warm start checks training EX every stop_check_every steps and
+    ends at the first check at or above the threshold; 0 turns the check off; sft.steps caps it."""
+    path, tok = tiny_model
+    sys.path.insert(0, str(ROOT / "data"))
+    from prepare_toy import prepare_toy
+    prepare_toy(str(tmp_path), seed=0)
+    import dataset
+    cfg = C.load_config([f"--sft.stop_at_train_ex={threshold}", "--sft.stop_check_every=10", "--sft.steps=40",
+                         "--sft.batch_size=4", "--data.prompt_template=compact", f"--data.db_root={tmp_path}",
+                         "--wandb.mode=disabled", "--train.threads=1"])
+    train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=300)
+    checks, steps = [], []
+    curve = {10: 0.1, 20: 0.5, 30: 0.85}  # the stubbed training EX at each check
+
+    def fake_evaluate(model, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
+        checks.append((step, prefix, len(exs)))
+        return {f"{prefix}/ex": curve[step]}
+    monkeypatch.setattr(train, "evaluate", fake_evaluate)
+    real_step = train.step_optimizer
+    monkeypatch.setattr(train, "step_optimizer", lambda *a: steps.append(1) or real_step(*a))
+    log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    model = Transformer.from_pretrained(path)
+    train.run_sft(model, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log)
+    if threshold == 0.0:
+        assert checks == [] and len(steps) == 40
+    else:
+        expected = [10, 20] if stops_at else [10, 20, 30]  # none at step 40: the run ends there anyway
+        assert [c[0] for c in checks] == expected and {c[1:] for c in checks} == {("sft/train", 128)}
+        assert len(steps) == (stops_at or 40)
 
 
 def run_train(args, out_dir, nproc=1, timeout=300):
