@@ -175,7 +175,7 @@ class SFTConfig:
     with_tool_turn: bool = True  # gold trajectory includes <sql>gold</sql> + its real observation
     eval_every: int = 0  # held-out EX every K SFT steps, logged as sft/eval_ex (0 = never)
     # Stop mid-climb whatever the seed: every stop_check_every steps, greedy EX on 128 training
-    # questions (sft/train_ex); the warm start ends once it reaches stop_at_train_ex (0 = off:
+    # questions (logged as sft/train/*); the warm start ends once it reaches stop_at_train_ex (0 = off:
     # always `steps`, which is otherwise the cap). A step count alone lands each seed elsewhere on
     # a steep climb (the toy's copy-from-the-observation skill appears within ~30 steps).
     stop_at_train_ex: float = 0.0

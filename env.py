@@ -196,7 +196,8 @@ def step_batch(db_paths: list, texts: list[str], turns_left: list[int], cfg: Env
 
 
 def step_record(step: StepResult) -> dict:
-    """What reward.py's dense shaping needs from one actions-protocol step."""
+    """One env step as Trajectory.steps keeps it: what reward.py's dense shaping needs (actions
+    protocol) and eval.first_query_bad's row count (any protocol)."""
     r = step.result
     return {"kind": step.action.kind, "arg": step.action.arg, "ok": bool(r and r.ok),
             "rows": list(r.rows) if (r and r.ok and step.action.kind == "query") else None,

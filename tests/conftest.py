@@ -18,3 +18,17 @@ def torchrun_env(**extra: str) -> dict:
     so GPUs are hidden: on a CUDA machine each rank would otherwise take GPU LOCAL_RANK (NCCL) and
     2 ranks would need 2 GPUs. One thread per rank: 2 ranks on 2 cores, no oversubscription."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "disabled", **extra}
+
+
+def build_tiny_assets(d: Path) -> list[str]:
+    """The toy set and a tiny model under d, built as a run builds them (train.prepare_assets).
+    Returns the `group.key=value` settings that point a config at them (model.path is 5th)."""
+    import config as C
+    import train
+    settings = [f"data.train_path={d}/toy/train.jsonl", f"data.eval_path={d}/toy/eval.jsonl",
+                f"data.db_root={d}/toy", "data.prepare_toy=true", f"model.path={d}/model",
+                "model.build_tiny=true", "model.tiny_hidden_size=32", "model.tiny_layers=1",
+                "model.tiny_heads=2", "model.tiny_kv_heads=1", "model.tiny_intermediate_size=64",
+                "model.tiny_vocab_size=512"]
+    train.prepare_assets(C.load_config(["--" + a for a in settings]))
+    return settings

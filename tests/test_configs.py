@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, build_tiny_assets
 
 import config as C
 import train
@@ -33,14 +33,7 @@ SMALL = ["--model.dtype=float32", "--wandb.mode=disabled", "--train.steps=1", "-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """The toy set and a tiny model, built once (train.prepare_assets, as a run would)."""
-    d = tmp_path_factory.mktemp("assets")
-    paths = [f"--data.train_path={d}/toy/train.jsonl", f"--data.eval_path={d}/toy/eval.jsonl",
-             f"--data.db_root={d}/toy", "--data.prepare_toy=true", f"--model.path={d}/model",
-             "--model.build_tiny=true", "--model.tiny_hidden_size=32", "--model.tiny_layers=1",
-             "--model.tiny_heads=2", "--model.tiny_kv_heads=1", "--model.tiny_intermediate_size=64",
-             "--model.tiny_vocab_size=512"]
-    train.prepare_assets(C.load_config(paths))
-    return paths
+    return ["--" + a for a in build_tiny_assets(tmp_path_factory.mktemp("assets"))]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])

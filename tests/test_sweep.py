@@ -13,7 +13,7 @@ import yaml
 
 import config as C
 import sweep
-import train
+from conftest import build_tiny_assets
 
 # a GRPO step of ~1 s on the smallest model (as tests/test_configs.py's SMALL), no SFT
 SMALL = ["model.dtype=float32", "wandb.mode=disabled", "train.steps=1", "train.eval_every=0",
@@ -113,14 +113,7 @@ def test_table_and_plot_from_synthetic_runs(tmp_path):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    d = tmp_path_factory.mktemp("assets")
-    paths = [f"data.train_path={d}/toy/train.jsonl", f"data.eval_path={d}/toy/eval.jsonl",
-             f"data.db_root={d}/toy", "data.prepare_toy=true", f"model.path={d}/model",
-             "model.build_tiny=true", "model.tiny_hidden_size=32", "model.tiny_layers=1",
-             "model.tiny_heads=2", "model.tiny_kv_heads=1", "model.tiny_intermediate_size=64",
-             "model.tiny_vocab_size=512"]
-    train.prepare_assets(C.load_config(["--" + p for p in paths]))
-    return paths
+    return build_tiny_assets(tmp_path_factory.mktemp("assets"))
 
 
 def test_real_sweep_of_two_points_then_resume(assets, tmp_path, capsys):
