@@ -349,3 +349,23 @@ def test_flex_attention_with_block_mask_equals_sdpa_with_dense_mask():
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=packing.attention_mask(doc, seg),
                                                             enable_gqa=True)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+def test_packed_forward_with_block_mask_equals_dense_mask(monkeypatch):
+    """The CUDA path on CPU: packing.forward with block_mask and (uncompiled; no backward on CPU)
+    flex_attention in the model gives the dense-mask SDPA path's logprobs. Eager flex evaluates
+    mask_mod on every pair (it ignores the block lists), so this checks the model path and the
+    per-pair rule; the blocks are checked against create_block_mask above."""
+    import model as model_module
+    from torch.nn.attention.flex_attention import flex_attention
+    model = make_model(seed=4)
+    trajs = make_trajs(n_groups=12, G=4, seed=4)  # rows of 3 FlexAttention blocks
+    (mb, *_) = packing.plan([(t.ids, t.loss_mask) for t in trajs], [len(t.prompt_ids) for t in trajs], 800, 330)
+    assert len(mb.rows) > 1 and len(mb.rows[0].ids) > 256
+    with torch.no_grad():
+        dense, _ = packing.forward(model, mb, "cpu", 1.0)
+        monkeypatch.setattr(packing, "attention_mask", packing.block_mask)
+        monkeypatch.setattr(model_module, "_flex_attention", lambda: flex_attention)
+        flex, _ = packing.forward(model, mb, "cpu", 1.0)
+    assert torch.allclose(dense, flex, atol=1e-5), (dense - flex).abs().max()
