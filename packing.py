@@ -270,7 +270,8 @@ def block_mask(doc: torch.Tensor, seg: torch.Tensor):
     doc_f, doc_l, run_f, run_l = doc[:, first], doc[:, last], run[:, first], run[:, last]  # (B, nb)
     # some allowed pair (kb < qb)
     kb_prompt = last_prompt[:, last] >= torch.maximum(first, doc_start[:, last])  # (B, nk)
-    some = below & (doc_l[:, None, :] == doc_f[:, :, None])         & (kb_prompt[:, None, :] | (run_l[:, None, :] == run_f[:, :, None]))
+    shared_unit = doc_l[:, None, :] == doc_f[:, :, None]  # (B, nq, nk) kb's last, qb's first token
+    some = below & shared_unit & (kb_prompt[:, None, :] | (run_l[:, None, :] == run_f[:, :, None]))
     # every pair allowed: keys before `keep` (qb's span start if qb is one span, else kb's end)
     # must all be prompt tokens; keys from there on share qb's span
     one_span = run_f == run_l  # (B, nq)

@@ -5,13 +5,14 @@ The batch: units of one shared prompt and G responses (each response: a sampled 
 observation that is context but not loss, a second sampled turn), packed by packing.plan into
 rows of `--tokens` (the 7B configs: one 32768-token row per micro-batch). The model: random
 weights in the shape of `--shape` (Qwen2.5-7B by default on CUDA, `--layers` of its 28 blocks),
-fp32 masters sharded by distributed.shard (FSDP2 on a one-rank mesh), bf16 compute on CUDA (fp32 on
-CPU, where bf16 matmuls are emulated and ~50x slower), activation checkpointing, the LM head only on the loss tokens (`loss_index`), configs/skyrl_sql_7b.yaml's
-loss and optimizer. A micro-batch is packing.forward + grpo.policy_loss + backward (CUDA: the
-FlexAttention mask of packing.block_mask; CPU: SDPA with the dense bool mask); a step is
-train.update over `--micro-batches` rows (forward/backward of each, clip, AdamW).
+fp32 masters sharded by distributed.shard (FSDP2 on a one-rank mesh), bf16 compute on CUDA
+(fp32 on CPU, where bf16 matmuls are emulated and ~50x slower), activation checkpointing, the LM
+head only on the loss tokens (`loss_index`), configs/skyrl_sql_7b.yaml's loss and optimizer. A
+micro-batch is packing.forward + grpo.policy_loss + backward (CUDA: the FlexAttention mask of
+packing.block_mask; CPU: SDPA with the dense bool mask); a step is train.update over
+`--micro-batches` rows (forward/backward of each, clip, AdamW).
 
-FLOPs (forward 2, backward 4 per multiply-add pair; N = parameters without the input embedding
+FLOPs (per multiply-add: 2 in forward, 4 in backward; N = parameters without the input embedding
 and the LM head, L layers, H query heads of width D, C hidden, V vocabulary):
   useful   = 6 N tokens + 12 L H D kept_pairs + 6 C V loss_tokens
              tokens: real tokens (no padding); kept_pairs: the (query, key) pairs the mask keeps
@@ -29,6 +30,7 @@ gap is the masked kernel. CPU has no stated peak: it prints TFLOP/s, and MFU as 
     .venv/bin/python bench/update_mfu.py                    # CPU: tiny shape, a smoke run (~1 min)
     python bench/update_mfu.py --device cuda --compare      # 7B shape, 32k rows, layers that fit
     python bench/update_mfu.py --device cuda --layers 28    # all 28 (needs ~20 bytes/param + activations)
+    .venv/bin/python bench/update_mfu.py --mask-cost --threads 1   # block_mask vs create_block_mask
 """
 import argparse
 import contextlib
@@ -217,13 +219,55 @@ def peak_gib(cuda: bool) -> float:
 
 
 # -----------------------------------------------------------------------------
+# --mask-cost: building the block mask from the structure vs create_block_mask
+
+
+class AllocatedBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Sums the storage bytes every op returns (views excluded): a bound on peak tensor memory."""
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t._is_view():
+                self.total += t.untyped_storage().nbytes()
+        return out
+
+
+def mask_cost(device):
+    """One row of a 6144-token prompt shared by 500-token responses, as long as T: the seconds
+    (median of 3, the allocation counter off) and allocated MB of each way to build its BlockMask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    for T in (4096, 8192, 32768):
+        P = min(6144, T // 2)
+        doc = torch.zeros(1, T, dtype=torch.long, device=device)
+        seg = torch.cat([torch.zeros(P, dtype=torch.long), 1 + torch.arange(T - P) // 500])[None].to(device)
+        ways = {"block_mask": lambda: packing.block_mask(doc, seg)}
+        if T <= 8192:  # create_block_mask at 32768 allocates ~12 GB
+            ways["create_block_mask"] = lambda: create_block_mask(packing.mask_mod_of(doc, seg), 1, None, T, T,
+                                                                  device=device)
+        for name, fn in ways.items():
+            with AllocatedBytes() as alloc:
+                fn()
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            print(f"T={T:6d} {name:18s} {statistics.median(times):7.3f} s  {alloc.total / 2 ** 20:9.1f} MB allocated")
+
+
+# -----------------------------------------------------------------------------
 # main
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--shape", default="", choices=["", *sorted(SHAPES)], help="default: qwen2.5-7b on CUDA, tiny on CPU")
+    ap.add_argument("--shape", default="", choices=["", *sorted(SHAPES)],
+                    help="default: qwen2.5-7b on CUDA, tiny on CPU")
     ap.add_argument("--layers", type=int, default=0, help="blocks (0: CUDA as many as fit, else the shape's)")
     ap.add_argument("--tokens", type=int, default=0, help="row (= micro-batch) tokens: 32768 on CUDA, 512 on CPU")
     ap.add_argument("--prompt", type=int, default=0, help="shared prompt tokens (2048 CUDA, 64 CPU)")
@@ -236,13 +280,16 @@ def main():
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 peak (default: CUDA device's spec)")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads")
     ap.add_argument("--dtype", default="", choices=["", "bfloat16", "float32"],
-                    help="compute dtype (masters stay fp32): bfloat16 on CUDA, float32 on CPU (CPU bf16 matmuls are emulated)")
+                    help="compute dtype (masters stay fp32): bfloat16 on CUDA, float32 on CPU (emulated bf16)")
+    ap.add_argument("--mask-cost", action="store_true", help="only time/measure building the block mask")
     a = ap.parse_args()
     cuda = a.device.startswith("cuda")
     if cuda != torch.cuda.is_available():
         raise SystemExit(f"--device {a.device} but CUDA available = {torch.cuda.is_available()}")
     if not cuda:
         torch.set_num_threads(a.threads)
+    if a.mask_cost:
+        return mask_cost(a.device)
     a.shape = a.shape or ("qwen2.5-7b" if cuda else "tiny")
     a.tokens = a.tokens or (32768 if cuda else 512)
     a.prompt = a.prompt or (2048 if cuda else 64)
@@ -250,16 +297,18 @@ def main():
     if cuda and not a.layers:
         a.layers = layers_that_fit(a.shape, a.tokens)
     _rank, _world, device = distributed.setup_dist()
+    dtype = a.dtype or ("bfloat16" if cuda else "float32")
     cfg = C.load_config([os.path.join(ROOT, "configs", "skyrl_sql_7b.yaml"), f"--optim.micro_batch_tokens={a.tokens}",
-                         "--optim.pack_row_tokens=0", f"--model.dtype={a.dtype or ('bfloat16' if cuda else 'float32')}"])
+                         "--optim.pack_row_tokens=0", f"--model.dtype={dtype}"])
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     model, opt, sched, n_params, total = build(a, cfg, device)
     margs = model.config
     name = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
     peak = a.peak_tflops * 1e12 or next((v for k, v in PEAK_BF16_FLOPS.items() if cuda and k in name), 0.0)
     print(f"{a.shape}: {margs.num_hidden_layers} layers, {total / 1e9:.3f}B params ({n_params / 1e9:.3f}B without "
-          f"embedding and LM head), fp32 masters, {cfg.model.dtype} compute, FSDP2 1 rank, activation checkpointing, {name}; "
-          f"peak {peak / 1e12:.0f} TFLOP/s", flush=True)
+          f"embedding and LM head), fp32 masters, {cfg.model.dtype} compute, FSDP2 1 rank, activation "
+          f"checkpointing, {name}; "
+          + (f"peak {peak / 1e12:.3g} TFLOP/s" if peak else "no peak stated (MFU nan; --peak-tflops)"), flush=True)
 
     trajs = make_batch(a, margs.vocab_size)
     seqs = [(t.ids, t.loss_mask) for t in trajs]
@@ -275,10 +324,10 @@ def main():
 
     def report(label, seconds, count):
         useful, hw = count["useful"] / seconds, count["hardware"] / seconds
-        print(f"  {label}: {seconds:.3f} s  useful {useful / 1e12:.3g} TFLOP/s (MFU {useful / peak if peak else float('nan'):.3f})"
-              f"  hardware {hw / 1e12:.3g} TFLOP/s (MFU {hw / peak if peak else float('nan'):.3f})  peak mem "
-              f"{peak_gib(cuda):.1f} GiB", flush=True)
-        return useful / peak if peak else float("nan"), hw / peak if peak else float("nan"), useful
+        mfu, hw_mfu = (useful / peak, hw / peak) if peak else (float("nan"), float("nan"))
+        print(f"  {label}: {seconds:.3f} s  useful {useful / 1e12:.3g} TFLOP/s (MFU {mfu:.3f})  hardware "
+              f"{hw / 1e12:.3g} TFLOP/s (MFU {hw_mfu:.3f})  peak mem {peak_gib(cuda):.1f} GiB", flush=True)
+        return mfu, hw_mfu, useful
 
     # one micro-batch: forward + loss + backward (the first call compiles FlexAttention on CUDA)
     mb = mbs[0]
@@ -293,7 +342,7 @@ def main():
                 torch.cuda.reset_peak_memory_stats()
             with ctx():
                 times[k].append(microbatch_pass(model, mb, cfg, device, sync))
-    print("per micro-batch (median of", a.iters, "):")
+    print(f"per micro-batch (median of {a.iters}):")
     mb_mfu, mb_hw, _ = report(f"{kernel} mask", statistics.median(times["mask"]), c0)
     if a.compare:
         causal = microbatch_flops(margs, n_params, mb, forward_width(mb, device), "causal")
