@@ -31,6 +31,7 @@ gap is the masked kernel. CPU has no stated peak: it prints TFLOP/s, and MFU as 
     python bench/update_mfu.py --device cuda --compare      # 7B shape, 32k rows, layers that fit
     python bench/update_mfu.py --device cuda --layers 28    # all 28 (needs ~20 bytes/param + activations)
     .venv/bin/python bench/update_mfu.py --mask-cost --threads 1   # block_mask vs create_block_mask
+    .venv/bin/python bench/update_mfu.py --count-only [--layers 8]   # the 7B micro-batch's FLOP split
 """
 import argparse
 import contextlib
@@ -218,6 +219,29 @@ def peak_gib(cuda: bool) -> float:
     return torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan")
 
 
+def count_only(a):
+    """The FLOP split of one micro-batch at the CUDA shape (no model run, any machine): what the
+    useful count leaves out and what the recompute and each kernel add."""
+    hf = {**SHAPES[a.shape], **({"num_hidden_layers": a.layers} if a.layers else {})}
+    with torch.device("meta"):
+        meta = Transformer(ModelArgs.from_hf(hf))
+    margs, n_params = meta.config, non_embedding_params(meta)
+    trajs = make_batch(a, margs.vocab_size)
+    mb = packing.plan([(t.ids, t.loss_mask) for t in trajs], [len(t.prompt_ids) for t in trajs], a.tokens, 0)[0]
+    width = -(-max(len(r.ids) for r in mb.rows) // packing.FLEX_BLOCK) * packing.FLEX_BLOCK  # as on CUDA
+    L, HD = margs.num_hidden_layers, margs.num_attention_heads * margs.head_dim
+    for kernel in ("flex", "causal"):
+        c = microbatch_flops(margs, n_params, mb, width, kernel)
+        causal = len(mb.rows) * c["tokens"] * (c["tokens"] + 1) // 2
+        attn, head = 12 * L * HD * c["pairs"], 6 * margs.hidden_size * margs.vocab_size * c["loss_tokens"]
+        print(f"{a.shape} x {L} layers ({n_params / 1e9:.3f}B non-embedding), {c['tokens']} tokens, "
+              f"{c['loss_tokens']} loss tokens, {kernel}: useful {c['useful'] / 1e15:.3f} PFLOP (attention "
+              f"{attn / c['useful']:.1%}, LM head {head / c['useful']:.1%}; kept pairs {c['pairs'] / causal:.1%} of "
+              f"causal), hardware {c['hardware'] / 1e15:.3f} PFLOP = {c['hardware'] / c['useful']:.2f}x useful "
+              f"(kernel pairs {c['kernel_pairs'] / causal:.1%} of causal)")
+        print(f"update_hw_over_useful_{kernel}: {c['hardware'] / c['useful']:.3f}")
+
+
 # -----------------------------------------------------------------------------
 # --mask-cost: building the block mask from the structure vs create_block_mask
 
@@ -282,7 +306,12 @@ def main():
     ap.add_argument("--dtype", default="", choices=["", "bfloat16", "float32"],
                     help="compute dtype (masters stay fp32): bfloat16 on CUDA, float32 on CPU (emulated bf16)")
     ap.add_argument("--mask-cost", action="store_true", help="only time/measure building the block mask")
+    ap.add_argument("--count-only", action="store_true", help="only the FLOP split of a CUDA-shaped micro-batch")
     a = ap.parse_args()
+    if a.count_only:  # the CUDA defaults, counted on any machine
+        a.shape, a.tokens = a.shape or "qwen2.5-7b", a.tokens or 32768
+        a.prompt, a.response, a.micro_batches = a.prompt or 2048, a.response or 1152, 1
+        return count_only(a)
     cuda = a.device.startswith("cuda")
     if cuda != torch.cuda.is_available():
         raise SystemExit(f"--device {a.device} but CUDA available = {torch.cuda.is_available()}")
