@@ -227,8 +227,9 @@ def mask_mod_of(doc: torch.Tensor, seg: torch.Tensor):
 
 def block_mask(doc: torch.Tensor, seg: torch.Tensor):
     """The FlexAttention BlockMask of `attention_mask`'s rule for rows doc, seg (B, T), built from
-    the row's structure in O(T + (T/128)²) memory and time on any device. create_block_mask would
-    evaluate the rule on all T² pairs (gigabytes and tens of seconds for a 32k-token row).
+    the row's structure in O(T + (T/128)²) memory and O(T log T + (T/128)²) time (the layout
+    check sorts each row) on any device. create_block_mask would evaluate the rule on all T²
+    pairs (gigabytes and tens of seconds for a 32k-token row).
 
     Needs what packing.plan lays out (else ValueError): each unit (doc value, padding's -1
     included) and each (unit, segment) is one contiguous span of its row; seg >= 0. Then, for a
