@@ -203,8 +203,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *,
             ratio = torch.exp(log_ratio)
         else:
             seq_log_ratio = seq_mean(log_ratio, m)[:, None]  # (B, 1): log s_i
-            if loss == "gspo-token":
-                seq_log_ratio = seq_log_ratio.detach() + logp - logp.detach()
+            if loss == "gspo-token":  # masked logp zeroed first: -inf - (-inf) would be nan
+                logp_m = torch.where(m, logp, zero)
+                seq_log_ratio = seq_log_ratio.detach() + logp_m - logp_m.detach()
             ratio = torch.exp(seq_log_ratio).expand_as(logp)
         pg1 = -A * ratio
         pg2 = -A * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)

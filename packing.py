@@ -164,14 +164,9 @@ FLEX_BLOCK = 128  # FlexAttention's default block size (tokens)
 def attention_mask(doc: torch.Tensor, seg: torch.Tensor):
     """doc, seg (B, T). Query q may see key k iff same unit, k <= q, and k is in the prompt or in
     q's own response. CUDA: a FlexAttention BlockMask (fused, skips masked blocks, never a
-    (T, T) matrix); else a (B, 1, T, T) bool tensor for SDPA."""
+    (T, T) matrix; `block_mask`); else a (B, 1, T, T) bool tensor for SDPA."""
     if doc.is_cuda:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def mask_mod(b, h, q, k):
-            return (doc[b, q] == doc[b, k]) & (k <= q) & ((seg[b, k] == 0) | (seg[b, k] == seg[b, q]))
-        B, T = doc.shape
-        return create_block_mask(mask_mod, B, None, T, T, device=doc.device)
+        return block_mask(doc, seg)
     ar = torch.arange(doc.shape[1], device=doc.device)
     causal = ar[None, :] <= ar[:, None]  # (T, T)
     same = doc[:, :, None] == doc[:, None, :]  # (B, T, T)
@@ -217,3 +212,97 @@ def dummy_backward(model, device):
     """A zero-weight forward/backward: keeps this rank's FSDP2 collectives in step with the others."""
     lp, _ = model(dummy(device)[:, :-1], targets=dummy(device)[:, 1:])
     (lp * 0).sum().backward()
+
+
+# -----------------------------------------------------------------------------
+# the FlexAttention block mask, from the row's structure
+
+
+def mask_mod_of(doc: torch.Tensor, seg: torch.Tensor):
+    """FlexAttention's mask_mod for rows (B, T): same unit, causal, prompt or own response."""
+    def mask_mod(b, h, q, k):
+        return (doc[b, q] == doc[b, k]) & (k <= q) & ((seg[b, k] == 0) | (seg[b, k] == seg[b, q]))
+    return mask_mod
+
+
+def block_mask(doc: torch.Tensor, seg: torch.Tensor):
+    """The FlexAttention BlockMask of `attention_mask`'s rule for rows doc, seg (B, T), built from
+    the row's structure in O(T + (T/128)²) memory and O(T log T + (T/128)²) time (the layout
+    check sorts each row) on any device. create_block_mask would evaluate the rule on all T²
+    pairs (gigabytes and tens of seconds for a 32k-token row).
+
+    Needs what packing.plan lays out (else ValueError): each unit (doc value, padding's -1
+    included) and each (unit, segment) is one contiguous span of its row; seg >= 0. Then, for a
+    key block kb strictly before a query block qb (k < q for every pair), only the unit holding
+    kb's last token can be shared with qb, so per block pair:
+      some pair allowed  iff  doc[kb last] == doc[qb first] and (kb holds a prompt token of that
+                              unit, or kb's last and qb's first token are in one segment span)
+      every pair allowed iff  doc[kb first] == doc[qb last], qb lies within the row, and kb has
+                              no response token before the segment span that holds all of qb
+    A diagonal block is partial (each token sees itself; later keys are masked); kb > qb is
+    empty. Partial blocks keep `mask_mod_of`'s per-pair rule; full blocks skip it."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if doc.dim() != 2 or doc.shape != seg.shape or doc.shape[1] == 0:
+        raise ValueError(f"block_mask needs doc and seg of one shape (B, T), T > 0; got "
+                         f"{tuple(doc.shape)}, {tuple(seg.shape)}")
+    B, T = doc.shape
+    dev, blk = doc.device, FLEX_BLOCK
+    doc, seg = doc.long(), seg.long()
+    _check_contiguous(doc, seg)
+    pos = torch.arange(T, device=dev).expand(B, T)
+    new_doc = torch.ones(B, T, dtype=torch.bool, device=dev)
+    new_doc[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    new_run = new_doc.clone()  # a "run": one (unit, segment) span
+    new_run[:, 1:] |= seg[:, 1:] != seg[:, :-1]
+    run = new_run.cumsum(1)  # (B, T) span id
+    # (B, T) each: where the token's unit / span starts, the latest prompt / response token so far
+    doc_start = torch.where(new_doc, pos, 0).cummax(1).values
+    run_start = torch.where(new_run, pos, 0).cummax(1).values
+    last_prompt = torch.where(seg == 0, pos, -1).cummax(1).values
+    last_resp = torch.where(seg != 0, pos, -1).cummax(1).values
+
+    nb = -(-T // blk)
+    first = torch.arange(nb, device=dev) * blk  # (nb,) a block's first and last in-row position
+    last = (first + blk).clamp(max=T) - 1
+    complete = (first + blk <= T)[None, :, None]  # (1, nq, 1): a query block wholly in the row
+    qi, ki = torch.arange(nb, device=dev)[:, None], torch.arange(nb, device=dev)[None, :]
+    below = (ki < qi)[None]  # (1, nq, nk)
+    doc_f, doc_l, run_f, run_l = doc[:, first], doc[:, last], run[:, first], run[:, last]  # (B, nb)
+    # some allowed pair (kb < qb)
+    kb_prompt = last_prompt[:, last] >= torch.maximum(first, doc_start[:, last])  # (B, nk)
+    shared_unit = doc_l[:, None, :] == doc_f[:, :, None]  # (B, nq, nk) kb's last, qb's first token
+    some = below & shared_unit & (kb_prompt[:, None, :] | (run_l[:, None, :] == run_f[:, :, None]))
+    # every pair allowed: keys before `keep` (qb's span start if qb is one span, else kb's end)
+    # must all be prompt tokens; keys from there on share qb's span
+    one_span = run_f == run_l  # (B, nq)
+    keep = torch.where(one_span, run_start[:, first], T)[:, :, None]  # (B, nq, 1)
+    upto = torch.minimum(keep, (last + 1)[None, None, :]) - 1  # (B, nq, nk) last key to check
+    resp_before = last_resp.gather(1, upto.clamp(min=0).view(B, -1)).view(B, nb, nb) >= first[None, None, :]
+    full = below & complete & (doc_f[:, None, :] == doc_l[:, :, None]) & ~(resp_before & (upto >= first))
+    partial = (some & ~full) | torch.eye(nb, dtype=torch.bool, device=dev)[None]
+    kv_num, kv_idx = _ordered(partial[:, None])
+    full_num, full_idx = _ordered(full[:, None])
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=blk,
+                                    mask_mod=mask_mod_of(doc, seg), seq_lengths=(T, T))
+
+
+def _ordered(dense: torch.Tensor):
+    """(B, H, nq, nk) bool -> FlexAttention's (count (B, H, nq), indices (B, H, nq, nk)) int32:
+    each query block's kv blocks, ascending, then the unused ones (create_block_mask's order)."""
+    dense = dense.to(torch.int32)
+    return dense.sum(-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+
+
+def _check_contiguous(doc: torch.Tensor, seg: torch.Tensor):
+    """ValueError unless every doc value and every (doc, seg) pair is one contiguous span per row."""
+    if (seg < 0).any():
+        raise ValueError("block_mask: seg must be >= 0 (0 = prompt, j + 1 = response j)")
+    keyed = (doc - doc.min()) * (int(seg.max()) + 1) + seg  # one int per (doc, seg)
+    for name, key in (("unit (doc)", doc), ("(unit, segment)", keyed)):
+        spans = 1 + (key[:, 1:] != key[:, :-1]).sum(1)
+        srt = key.sort(1).values
+        distinct = 1 + (srt[:, 1:] != srt[:, :-1]).sum(1)
+        if (spans != distinct).any():
+            raise ValueError(f"block_mask: each {name} must be one contiguous span of its row, as "
+                             f"packing.plan lays them out")

@@ -11,7 +11,9 @@
 # benchmark at the SkyRL ratio; (5) the update step (packing, MFU, peak memory); (6) ten GRPO steps
 # of a 0.5B-bodied model on the toy data, multi-turn, one process: time split, tokens/s, peak memory
 # per phase against memory_estimate; (6b) the same with LoRA r=32 (lora_steps); (7) one 32k-token micro-batch of a Qwen2.5-7B-shaped model
-# with activation checkpointing.
+# with activation checkpointing; (8) the real update at the 7B shape: 32k-token packed rows with
+# shared prompts, FlexAttention block mask, FSDP2, loss_index, MFU per micro-batch and per step,
+# against a dense causal kernel on the same tokens (update_mfu; the blocks that fit in memory).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu}
@@ -21,7 +23,7 @@ export PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 
-PARTS=${PARTS:-tests attention sampler sampler_graphs rollout_scale train_step grpo_steps lora_steps long_microbatch}
+PARTS=${PARTS:-tests attention sampler sampler_graphs rollout_scale train_step grpo_steps lora_steps long_microbatch update_mfu}
 
 part() {  # part NAME SECONDS COMMAND...: run under a time limit, log to $OUT/NAME.txt, keep going
     local name=$1 limit=$2
@@ -90,6 +92,9 @@ for k in ("rollout", "update"):
 
 # (7) one 32k-token micro-batch, 7B shape
 part long_microbatch 150 $PY bench/long_microbatch.py --shape qwen2.5-7b --tokens 32768
+
+# (8) the GRPO update at the 7B recipe's shape (FlexAttention compiles on the first micro-batch)
+part update_mfu 420 $PY bench/update_mfu.py --device cuda --compare
 
 echo "=== headline figures"
 cat "$SUMMARY"

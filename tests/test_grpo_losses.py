@@ -223,3 +223,38 @@ def test_micro_batch_split_invariance_all_losses(loss_name, agg):
         (g_parts,) = torch.autograd.grad(parts, logp)
         assert approx(parts, full) and approx(g_parts, g_full), (loss_name, agg, kind)
         assert (g_full[~mask] == 0).all() and g_full[mask].abs().sum() > 0, (loss_name, agg, kind)
+
+
+# -----------------------------------------------------------------------------
+# masked positions may hold anything
+
+
+@pytest.mark.parametrize("loss_name", LOSSES)
+@pytest.mark.parametrize("bad", [-math.inf, math.nan])
+def test_masked_positions_holding_inf_or_nan(loss_name, bad):
+    """-inf/nan at masked positions of logp, old, ref, rollout and entropy give the same (finite)
+    loss, metrics and gradient as zeros there, for every rollout correction and aggregation."""
+    g = torch.Generator().manual_seed(11)
+    B, T = 4, 6
+    mask = torch.arange(T)[None] < torch.tensor([6, 2, 0, 4])[:, None]
+    mask[0, 0] = False  # a masked position before the loss tokens (a prompt / tool output)
+    base = {k: torch.randn(B, T, generator=g) - 1.0 for k in ("logp", "old", "ref", "rollout", "ent")}
+    adv = torch.randn(B, generator=g)
+    for kind in KINDS:
+        for agg in AGGS:
+            kw = dict(loss=loss_name, clip_low=0.2, clip_high=0.28, kl_beta=0.05, agg=agg, max_len=T,
+                      dual_clip_c=0.0 if loss_name == "cispo" else 3.0,
+                      rollout_is=RolloutIS(kind, cap=1.5, low=0.7, high=1.4, delta=0.3))
+            out = []
+            for fill in (0.0, bad):
+                t = {k: torch.where(mask, v, torch.full_like(v, fill)) for k, v in base.items()}
+                logp = t["logp"].requires_grad_()
+                loss, met = policy_loss(logp, t["old"], adv, mask, ref_logp=t["ref"], rollout_logp=t["rollout"],
+                                        entropy=t["ent"], norm=global_norm([mask], agg), **kw)
+                (grad,) = torch.autograd.grad(loss, logp)
+                out.append((loss, met, grad))
+            (l0, m0, g0), (l1, m1, g1) = out
+            where = (loss_name, kind, agg, bad)
+            assert torch.isfinite(l1) and torch.isfinite(g1).all(), where
+            assert approx(l1, l0) and torch.equal(g1, g0), where
+            assert all(approx(m1[k], m0[k]) for k in m0), where
