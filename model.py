@@ -277,6 +277,8 @@ class Attention(nn.Module):
         else:  # q and k are adjacent in the fused projection: one RoPE over all H + Hk heads
             q, k = rotate(qkv[..., :(H + Hk) * D].view(B, T, H + Hk, D), cos, sin).split([H, Hk], 2)
         if kv is None:  # full sequence (training, scoring): plain causal, or a packed row's mask
+            if hasattr(mask, "attend"):  # CPU packed rows: segment_attention.SegmentRows
+                return self.o_proj(mask.attend(q, k, v).reshape(B, T, H * D))
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if mask is None:
                 y = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
@@ -366,7 +368,8 @@ class Transformer(nn.Module):
         (the sampler's prefill/extend: never (B, T, V) for long prompts and a 152k vocab).
 
         Training/scoring (no cache): targets (B, T) -> (logprobs, entropy) each (B, T). Packed rows
-        (packing.py): attn_mask is a (B, 1, T, T) bool tensor or a FlexAttention BlockMask, and
+        (packing.py): attn_mask is a segment_attention.SegmentRows (CPU), a (B, 1, T, T) bool tensor
+        or a FlexAttention BlockMask (CUDA), and
         loss_index (N,) picks flat positions b*T + t whose next token is in the loss; then targets is
         (N,) and the LM head and log-softmax run on those N positions only -> logprobs, entropy (N,).
         A position may appear several times (a shared prompt's last token predicts G responses)."""

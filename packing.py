@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from distributed import all_max
+from segment_attention import segment_rows
 
 
 # -----------------------------------------------------------------------------
@@ -159,6 +160,10 @@ def _append(row: Row, seqs, P: int, members: list[int]):
 # tensors and the forward
 
 FLEX_BLOCK = 128  # FlexAttention's default block size (tokens)
+# CPU: True = SDPA with attention_mask's dense (B, 1, T, T) mask, the layout segment_attention.py
+# replaced (T² pairs per row, computed masked or not); kept as the reference bench/cpu_step.py
+# and the tests compare against
+CPU_DENSE_MASK = False
 
 
 def attention_mask(doc: torch.Tensor, seg: torch.Tensor):
@@ -191,9 +196,14 @@ def forward(model, mb: MicroBatch, device, temperature: float):
     ids = pad([r.ids for r in rows], 0, device, width=width)  # (B, T)
     pos = pad([r.positions for r in rows], 0, device, width=width)
     B, T = ids.shape
-    # padding tokens form their own unit (doc -1): they see only each other, so no row is empty
-    mask = None if plain else attention_mask(pad([r.doc for r in rows], -1, device, width=width),
-                                             pad([r.seg for r in rows], 0, device, width=width))
+    if plain:
+        mask = None
+    elif torch.device(device).type == "cpu" and not CPU_DENSE_MASK:
+        # CPU: each sequence its own causal attention row (segment_attention.py), never T² pairs
+        mask = segment_rows([r.doc for r in rows], [r.seg for r in rows], width, device)
+    else:  # padding tokens form their own unit (doc -1): they see only each other, so no row is empty
+        mask = attention_mask(pad([r.doc for r in rows], -1, device, width=width),
+                              pad([r.seg for r in rows], 0, device, width=width))
     src = torch.tensor([b * T + s for b, r in enumerate(rows) for s in r.src], dtype=torch.long, device=device)
     tgt = torch.tensor([t for r in rows for t in r.tgt], dtype=torch.long, device=device)
     return model(ids, positions=pos, targets=tgt, temperature=temperature, attn_mask=mask, loss_index=src)
