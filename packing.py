@@ -90,6 +90,43 @@ def units(seqs: list[tuple[list[int], list[int]]], prompt_lens: list[int], budge
     return out
 
 
+def shared_prefix_lens(seqs: list[tuple[list[int], list[int]]]) -> list[int]:
+    """prompt_lens for sequences of *different* prompts (SFT): groups whose members share their
+    first P ids (the system prompt and a database's schema), chosen to maximise the tokens computed
+    once; 0 for a sequence left alone. A prefix stops at a sequence's first loss token.
+
+    Sorted by prompt, the best groups are contiguous runs: a group's shared length is the
+    smallest common prefix of neighbours in the run, and a dynamic program over the split points
+    (n² for n sequences of a micro-batch) picks the runs saving the most tokens."""
+    n = len(seqs)
+    limit = [mask.index(1) if 1 in mask else len(ids) - 1 for ids, mask in seqs]
+    order = sorted(range(n), key=lambda i: seqs[i][0][:limit[i]])
+    lcp = []  # lcp[k]: common prefix of order[k] and order[k + 1], within both limits
+    for a, b in zip(order, order[1:]):
+        x, y, m = seqs[a][0], seqs[b][0], min(limit[a], limit[b])
+        k = 0
+        while k < m and x[k] == y[k]:
+            k += 1
+        lcp.append(k)
+    best, start = [0] * (n + 1), list(range(-1, n))  # best[j]: tokens saved over order[:j]
+    for j in range(1, n + 1):
+        best[j], start[j], m = best[j - 1], j - 1, 1 << 62
+        for i in range(j - 2, -1, -1):  # the run order[i:j] shares min(lcp[i:j-1]) tokens
+            m = min(m, lcp[i])
+            if m == 0:
+                break
+            if best[i] + (j - i - 1) * m > best[j]:
+                best[j], start[j] = best[i] + (j - i - 1) * m, i
+    out, j = [0] * n, n
+    while j > 0:
+        i = start[j]
+        shared = min(lcp[i:j - 1]) if j - i > 1 else 0
+        for k in range(i, j):
+            out[order[k]] = shared
+        j = i
+    return out
+
+
 @dataclass
 class MicroBatch:
     """Rows forwarded together as one (B, T) batch, right-padded to the longest row."""
