@@ -416,14 +416,16 @@ class Transformer(nn.Module):
         """(logprobs, entropy), each (B, T), of logits/temperature, in chunks over T.
 
         Each chunk is recomputed in backward (checkpoint), so only one (B, chunk, V) fp32 block
-        is alive at a time. Entropy is a diagnostic: no gradient flows through it.
+        is alive at a time; a single chunk is not (nothing would be freed between chunks, and the
+        recompute is a whole LM head forward: ~8% of the tiny model's update FLOPs). Entropy is a
+        diagnostic: no gradient flows through it.
         """
         B, T, _ = h.shape
         chunk = max(1, self.logits_chunk_elems // max(1, B * self.config.vocab_size))
         lps, ents = [], []
         for s in range(0, T, chunk):
             args = (h[:, s:s + chunk], targets[:, s:s + chunk], temperature)
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and chunk < T:
                 lp, ent = checkpoint(self._chunk_logprobs, *args, use_reentrant=False)
             else:
                 lp, ent = self._chunk_logprobs(*args)

@@ -27,7 +27,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-BUCKET_FILL = 0.75  # a bucket's shortest row is at least this fraction of its longest
+# a bucket's shortest row is at least this fraction of its longest: on the tiny config's GRPO
+# batch (rows of 72-168 tokens) 0.9 pads 9% over the causal pairs (0.75: 29%) in ~5 SDPA calls
+# per micro-batch and layer
+BUCKET_FILL = 0.9
 
 # -----------------------------------------------------------------------------
 # the layout

@@ -2,8 +2,11 @@
 reference they replaced, interleaved in ONE process (old, new, old, new, ...), medians of ratios.
 
   old  packing.CPU_DENSE_MASK (SDPA over a dense (B, 1, T, T) mask) with optim.pack_row_tokens
-       512 and micro_batch_tokens 16384: the settings before segment_attention.py
-  new  configs/tiny.yaml as it is (segment_attention.py: one causal attention row per sequence)
+       512 and micro_batch_tokens 16384, AdamW's per-parameter loop (foreach=False), the LM head
+       checkpointed even as a single chunk (`checkpointed_logprobs`, the code it replaced), SFT
+       without shared prefixes: the code and settings before this benchmark was written
+  new  configs/tiny.yaml and the code as they are (segment_attention.py: one causal attention
+       row per sequence; shared prompt prefixes in SFT; foreach AdamW; no single-chunk recompute)
 
 Each arm has its own FSDP2-sharded copy of the same tiny model and its own AdamW, so both start
 from the same weights; the first pair's update and SFT losses / grad norms are printed side by
@@ -30,8 +33,10 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -45,7 +50,21 @@ from distributed import all_sum, setup_dist, shard  # noqa: E402
 from model import Transformer  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 
+SHARED_PREFIX_LENS = packing.shared_prefix_lens
 OLD = {"pack_row_tokens": 512, "micro_batch_tokens": 16384, "dense": True}
+
+
+def checkpointed_logprobs(self, h, targets, temperature):
+    """Transformer._logprobs as it was: every chunk checkpointed, a single one included."""
+    chunk = max(1, self.logits_chunk_elems // max(1, h.shape[0] * self.config.vocab_size))
+    lps, ents = [], []
+    for s in range(0, h.shape[1], chunk):
+        args = (h[:, s:s + chunk], targets[:, s:s + chunk], temperature)
+        lp, ent = (checkpoint(self._chunk_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled()
+                   else self._chunk_logprobs(*args))
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps, 1), torch.cat(ents, 1)
 
 
 # -----------------------------------------------------------------------------
@@ -87,6 +106,10 @@ class Arm:
         o = cfg.optim
         self.opt, self.sch = optim.make_optimizer(model, o, o.lr, 0, 1000)
         self.sft_opt, self.sft_sch = optim.make_optimizer(model, o, cfg.sft.lr, 0, 1000)
+        if self.dense:  # the old arm: the code before, where it differs from a setting
+            model._logprobs = types.MethodType(checkpointed_logprobs, model)
+            for opt in (self.opt, self.sft_opt):
+                opt.param_groups[0]["foreach"] = False
 
     def update(self, trajs, adv, world, device) -> tuple[float, dict]:
         packing.CPU_DENSE_MASK = self.dense
@@ -97,6 +120,8 @@ class Arm:
     def sft_steps(self, batches, world, device) -> tuple[float, list]:
         """train.run_sft's loop body on each batch; -> (seconds, [(loss, grad norm)])."""
         packing.CPU_DENSE_MASK = self.dense
+        # the old arm: no prefix sharing across prompts (sft_loss_sum reads it from packing)
+        packing.shared_prefix_lens = (lambda seqs: [0] * len(seqs)) if self.dense else SHARED_PREFIX_LENS
         o, out = self.cfg.optim, []
         t0 = time.perf_counter()
         for seqs in batches:
