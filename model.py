@@ -277,6 +277,8 @@ class Attention(nn.Module):
         else:  # q and k are adjacent in the fused projection: one RoPE over all H + Hk heads
             q, k = rotate(qkv[..., :(H + Hk) * D].view(B, T, H + Hk, D), cos, sin).split([H, Hk], 2)
         if kv is None:  # full sequence (training, scoring): plain causal, or a packed row's mask
+            if hasattr(mask, "attend"):  # CPU packed rows: segment_attention.SegmentRows
+                return self.o_proj(mask.attend(q, k, v).reshape(B, T, H * D))
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if mask is None:
                 y = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
@@ -366,7 +368,8 @@ class Transformer(nn.Module):
         (the sampler's prefill/extend: never (B, T, V) for long prompts and a 152k vocab).
 
         Training/scoring (no cache): targets (B, T) -> (logprobs, entropy) each (B, T). Packed rows
-        (packing.py): attn_mask is a (B, 1, T, T) bool tensor or a FlexAttention BlockMask, and
+        (packing.py): attn_mask is a segment_attention.SegmentRows (CPU), a (B, 1, T, T) bool tensor
+        or a FlexAttention BlockMask (CUDA), and
         loss_index (N,) picks flat positions b*T + t whose next token is in the loss; then targets is
         (N,) and the LM head and log-softmax run on those N positions only -> logprobs, entropy (N,).
         A position may appear several times (a shared prompt's last token predicts G responses)."""
@@ -413,14 +416,16 @@ class Transformer(nn.Module):
         """(logprobs, entropy), each (B, T), of logits/temperature, in chunks over T.
 
         Each chunk is recomputed in backward (checkpoint), so only one (B, chunk, V) fp32 block
-        is alive at a time. Entropy is a diagnostic: no gradient flows through it.
+        is alive at a time; a single chunk is not (nothing would be freed between chunks, and the
+        recompute is a whole LM head forward: ~8% of the tiny model's update FLOPs). Entropy is a
+        diagnostic: no gradient flows through it.
         """
         B, T, _ = h.shape
         chunk = max(1, self.logits_chunk_elems // max(1, B * self.config.vocab_size))
         lps, ents = [], []
         for s in range(0, T, chunk):
             args = (h[:, s:s + chunk], targets[:, s:s + chunk], temperature)
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and chunk < T:
                 lp, ent = checkpoint(self._chunk_logprobs, *args, use_reentrant=False)
             else:
                 lp, ent = self._chunk_logprobs(*args)

@@ -34,5 +34,8 @@ def lr_lambda(warmup: int, total: int, schedule: str = "constant", min_ratio: fl
 def make_optimizer(model, o: C.OptimConfig, lr: float, warmup: int, total: int):
     """AdamW over the trainable (fp32 master) parameters + its LambdaLR schedule. Under LoRA only
     the adapters: the frozen base gets no moments and no weight decay."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+    # foreach: CPU's default is a per-parameter loop, ~3x slower on FSDP2's DTensors (~150 ms of
+    # a tiny SFT step); the same arithmetic, identical results (CUDA's default already)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(o.beta1, o.beta2),
+                            weight_decay=o.weight_decay, foreach=True)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total, o.schedule, o.min_lr_ratio))

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from distributed import all_max
+from segment_attention import segment_rows
 
 
 # -----------------------------------------------------------------------------
@@ -86,6 +87,43 @@ def units(seqs: list[tuple[list[int], list[int]]], prompt_lens: list[int], budge
             out.append((P, members))
         else:  # plain layout: the whole sequence is one segment
             out.extend((len(seqs[i][0]), [i]) for i in members)
+    return out
+
+
+def shared_prefix_lens(seqs: list[tuple[list[int], list[int]]]) -> list[int]:
+    """prompt_lens for sequences of *different* prompts (SFT): groups whose members share their
+    first P ids (the system prompt and a database's schema), chosen to maximise the tokens computed
+    once; 0 for a sequence left alone. A prefix stops at a sequence's first loss token.
+
+    Sorted by prompt, the best groups are contiguous runs: a group's shared length is the
+    smallest common prefix of neighbours in the run, and a dynamic program over the split points
+    (n² for n sequences of a micro-batch) picks the runs saving the most tokens."""
+    n = len(seqs)
+    limit = [mask.index(1) if 1 in mask else len(ids) - 1 for ids, mask in seqs]
+    order = sorted(range(n), key=lambda i: seqs[i][0][:limit[i]])
+    lcp = []  # lcp[k]: common prefix of order[k] and order[k + 1], within both limits
+    for a, b in zip(order, order[1:]):
+        x, y, m = seqs[a][0], seqs[b][0], min(limit[a], limit[b])
+        k = 0
+        while k < m and x[k] == y[k]:
+            k += 1
+        lcp.append(k)
+    best, start = [0] * (n + 1), list(range(-1, n))  # best[j]: tokens saved over order[:j]
+    for j in range(1, n + 1):
+        best[j], start[j], m = best[j - 1], j - 1, 1 << 62
+        for i in range(j - 2, -1, -1):  # the run order[i:j] shares min(lcp[i:j-1]) tokens
+            m = min(m, lcp[i])
+            if m == 0:
+                break
+            if best[i] + (j - i - 1) * m > best[j]:
+                best[j], start[j] = best[i] + (j - i - 1) * m, i
+    out, j = [0] * n, n
+    while j > 0:
+        i = start[j]
+        shared = min(lcp[i:j - 1]) if j - i > 1 else 0
+        for k in range(i, j):
+            out[order[k]] = shared
+        j = i
     return out
 
 
@@ -159,6 +197,10 @@ def _append(row: Row, seqs, P: int, members: list[int]):
 # tensors and the forward
 
 FLEX_BLOCK = 128  # FlexAttention's default block size (tokens)
+# CPU: True = SDPA with attention_mask's dense (B, 1, T, T) mask, the layout segment_attention.py
+# replaced (T² pairs per row, computed masked or not); kept as the reference bench/cpu_step.py
+# and the tests compare against
+CPU_DENSE_MASK = False
 
 
 def attention_mask(doc: torch.Tensor, seg: torch.Tensor):
@@ -186,9 +228,14 @@ def forward(model, mb: MicroBatch, device, temperature: float):
     ids = pad([r.ids for r in rows], 0, device, width=width)  # (B, T)
     pos = pad([r.positions for r in rows], 0, device, width=width)
     B, T = ids.shape
-    # padding tokens form their own unit (doc -1): they see only each other, so no row is empty
-    mask = None if plain else attention_mask(pad([r.doc for r in rows], -1, device, width=width),
-                                             pad([r.seg for r in rows], 0, device, width=width))
+    if plain:
+        mask = None
+    elif torch.device(device).type == "cpu" and not CPU_DENSE_MASK:
+        # CPU: each sequence its own causal attention row (segment_attention.py), never T² pairs
+        mask = segment_rows([r.doc for r in rows], [r.seg for r in rows], width, device)
+    else:  # padding tokens form their own unit (doc -1): they see only each other, so no row is empty
+        mask = attention_mask(pad([r.doc for r in rows], -1, device, width=width),
+                              pad([r.seg for r in rows], 0, device, width=width))
     src = torch.tensor([b * T + s for b, r in enumerate(rows) for s in r.src], dtype=torch.long, device=device)
     tgt = torch.tensor([t for r in rows for t in r.tgt], dtype=torch.long, device=device)
     return model(ids, positions=pos, targets=tgt, temperature=temperature, attn_mask=mask, loss_index=src)

@@ -111,8 +111,11 @@ def sft_loss_sum(model, seqs, temperature: float = 1.0, row_tokens: int = 0):
     """Sum over masked tokens of −logp for a micro-batch of (ids, mask), packed into one
     padding-free row (each sequence attends to itself only; rows of ≤ row_tokens when > 0, see
     packing.plan); the caller divides by the global
-    token count so micro-batches and ranks add up to one token-mean."""
+    token count so micro-batches and ranks add up to one token-mean. Sequences whose prompts
+    start alike (system prompt, a database's schema) compute that prefix once
+    (packing.shared_prefix_lens): the same logprobs, fewer tokens."""
     device = next(model.parameters()).device
-    mb, = packing.plan(seqs, None, budget=1 << 62, row_tokens=row_tokens or sum(len(s[0]) for s in seqs))
+    mb, = packing.plan(seqs, packing.shared_prefix_lens(seqs), budget=1 << 62,
+                       row_tokens=row_tokens or sum(len(s[0]) for s in seqs))
     logp, _ = packing.forward(model, mb, device, temperature)  # (N,) loss tokens only
     return -logp.sum()
