@@ -189,6 +189,7 @@ class TrainConfig:
     out_dir: str = "runs/default"
     log_every: int = 1
     sample_every: int = 10  # print a few trajectories every K steps (0 = never)
+    sample_rows: int = 8  # ... and write this many (one per prompt) to samples.jsonl / the wandb table
     plot_every: int = 0  # redraw out_dir/metrics.png every K steps (plot.py; 0 = off; needs matplotlib)
     eval_every: int = 10  # held-out eval every K steps (also at start and end; 0 = start+end)
     save_every: int = 0  # checkpoint every K steps (0 = end only)
@@ -354,7 +355,8 @@ def from_dict(d: dict) -> Config:
 
 
 # keys a resumed run may change: length, cadence, output and logging, never the recipe
-RESUMABLE_KEYS = {"train.steps", "train.log_every", "train.sample_every", "train.eval_every", "train.save_every",
+RESUMABLE_KEYS = {"train.steps", "train.log_every", "train.sample_every", "train.sample_rows", "train.eval_every",
+                  "train.save_every",
                   "train.keep_checkpoints", "train.resume", "train.out_dir", "train.threads",
                   "train.dist_timeout_s", "train.max_bad_steps", "wandb.mode", "wandb.project", "wandb.name",
                   "model.build_tiny", "data.prepare_toy", "env.workers", "model.lora_save_merged"}

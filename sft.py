@@ -7,7 +7,9 @@ the rollout appends them (token-in-token-out), so SFT and RL see the same token 
            <think>{think}</think>\\n<solution>{gold}</solution><end of turn>
 
 The tool turn's query is the record's `lookup_sql` when it has one (toy questions that name a
-category the database stores as a code: the lookup lists the codes, the solution copies one);
+category the database stores as a code: the lookup lists the codes, the solution copies one),
+after the record's `first_lookup_sql` (a lookup that returns no rows) when it has one and
+env.max_turns leaves a turn for each;
 otherwise, with `sft.with_tool_turn`, the gold itself (a check); otherwise there is no tool turn.
 The think after the observation keeps SkyRL's rule: every </observation> is followed by <think>.
 
@@ -40,7 +42,10 @@ def gold_trajectory(example: dict, prompt_ids: list[int], tokenizer, cfg: C.Conf
 
     turns_left = cfg.env.max_turns
     query = example.get("lookup_sql") or (example["gold_sql"] if cfg.sft.with_tool_turn else "")
-    if query and cfg.env.max_turns > 1:
+    # a toy record's first_lookup_sql: the natural lookup that returns no rows, tried first when
+    # there are turns for both lookups and the answer (the failed-then-fixed lookup)
+    first = example.get("first_lookup_sql", "") if query and cfg.env.max_turns > 2 else ""
+    for query in [q for q in (first, query) if q and cfg.env.max_turns > 1]:
         model_says(f"{think}<sql>{query}</sql>")
         turns_left -= 1
         res = env.run_sql(db_path, query, timeout_s=cfg.env.tool_timeout_s,

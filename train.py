@@ -26,6 +26,7 @@ import baseline
 import checkpoint
 import config as C
 import dataset
+import eval as eval_lib
 import grpo
 import lora
 import optim
@@ -33,6 +34,7 @@ import packing
 import plot
 import reward
 import rollout
+import samples
 import sft
 from distributed import (PeakMemory, all_gather_list, all_max, all_sum, compute_dtype, memory_estimate,
                          param_count, setup_dist, shard, unsharded)
@@ -55,6 +57,7 @@ class Log:
             import wandb
             self.run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or None, mode=cfg.wandb.mode,
                                   config=C.to_dict(cfg), dir=cfg.train.out_dir)
+        self.sample_log = samples.SampleLog(cfg.train.out_dir, self.run)  # samples.jsonl (+ wandb table)
 
     def print(self, *a):
         if self.rank == 0:
@@ -101,8 +104,9 @@ def tokenizer_corpus(cfg: C.Config) -> list[str]:
         for msg in prompts.build_messages(ex, cfg.data.db_root, cfg.data, cfg.env.protocol):
             texts.append(msg["content"])
         texts.append(f"<think>{cfg.sft.think_text}</think>\n<sql>{ex['gold_sql']}</sql>")
-        if ex.get("lookup_sql"):  # the toy set's tool turn: its words ("LIKE") get tokens too
-            texts.append(f"<sql>{ex['lookup_sql']}</sql>")
+        for look in (ex.get("first_lookup_sql"), ex.get("lookup_sql")):  # the toy set's tool turns:
+            if look:                                                    # their words ("LIKE") get tokens too
+                texts.append(f"<sql>{look}</sql>")
         texts.append(f"<solution>{ex['gold_sql']}</solution>")
     return texts
 
@@ -299,10 +303,18 @@ def evaluate(model, tok, eval_ex, cfg, rank, world, device, log: Log, step: int,
                                     sampling=sampling)
     m = reduce_summary(summarise(trajs, rw), device)
     m = {f"{prefix}/{k}": v for k, v in m.items()}
+    # error recovery (eval.py generate's rule): episodes whose first query failed or returned no
+    # rows, and of those the ones that still ended right; counts summed over ranks
+    bad = [eval_lib.first_query_bad(t.steps) for t in trajs]
+    n_bad, n_rec = all_sum([sum(bad), sum(b and bool(r["exec_match"]) for b, r in zip(bad, rw))], device)
+    m.update({f"{prefix}/first_query_bad": n_bad, f"{prefix}/recovered": n_rec})
+    if n_bad:
+        m[f"{prefix}/recovery_rate"] = n_rec / n_bad
     log.metrics(step, m)
     log.print(f"[{prefix} @ step {step}] EX {100 * m[prefix + '/ex']:.1f}%  reward {m[prefix + '/reward']:.3f}  "
               f"format-err {100 * m[prefix + '/format_err']:.1f}%  turns {m[prefix + '/turns']:.2f}  "
-              f"tool-calls {m[prefix + '/tool_calls']:.2f}  ({len(eval_ex)} examples, {tr:.1f}s)")
+              f"tool-calls {m[prefix + '/tool_calls']:.2f}  first query empty/failed {n_bad:.0f}, "
+              f"recovered {n_rec:.0f}  ({len(eval_ex)} examples, {tr:.1f}s)")
     return m
 
 
@@ -318,6 +330,7 @@ def show_samples(log: Log, trajs, rw, exs, k=2):
 
 
 def main():
+    t_launch = time.time()
     cfg = C.load_config()
     rank, world, device = setup_dist(cfg.train.dist_timeout_s)
     if cfg.train.threads:
@@ -397,6 +410,7 @@ def main():
     G, P = cfg.grpo.group_size, cfg.grpo.prompts_per_step
     assert P % world == 0, f"grpo.prompts_per_step={P} must be divisible by the world size {world}"
     t_start = time.time()
+    speed = {"sampled": 0.0, "rollout_s": 0.0, "trained": 0.0, "update_s": 0.0}  # the last line's tokens/s
     mem = PeakMemory(device)  # CUDA: peak GB per phase in each step's metrics (mem/*_peak_gb)
     while step < cfg.train.steps:
         t0 = time.time()
@@ -435,6 +449,10 @@ def main():
         bad = bad + 1 if m.get("skipped", 0) else 0
         s = reduce_summary(summarise(seen_t, seen_r), device)  # all sampled episodes, not only kept
         tok_s = s["resp_tokens"] * n_seen / max(t_roll, 1e-9) / world
+        n_trained = all_sum([sum(len(t.ids) for t in trajs)], device)[0]
+        for key, v in (("sampled", s["resp_tokens"] * n_seen), ("rollout_s", t_roll), ("trained", n_trained),
+                       ("update_s", t_upd)):
+            speed[key] += v
         dt = time.time() - t0
         eta = (time.time() - t_start) / (step - (cursor // P)) * (cfg.train.steps - step) if step > cursor // P else 0
         metrics = {**{f"train/{k}": v for k, v in s.items()}, **{f"train/{k}": v for k, v in m.items()},
@@ -448,6 +466,8 @@ def main():
                       f"rollout {t_roll:.1f}s reward {t_rew:.1f}s update {t_upd:.1f}s | ETA {eta / 60:.1f} min")
         if cfg.train.sample_every and step % cfg.train.sample_every == 0:
             show_samples(log, seen_t, seen_r, seen_x)
+            if rank == 0:  # rank 0's episodes: samples.jsonl and the wandb table `samples`
+                log.sample_log.write(step, seen_t, seen_r, seen_x, tok, G, cfg.train.sample_rows)
         if bad:
             log.print(f"WARNING: non-finite loss/gradient at step {step}: update skipped ({bad} in a row)")
             if bad >= cfg.train.max_bad_steps:
@@ -463,7 +483,11 @@ def main():
                                                   or step == cfg.train.steps):
             plot.refresh(cfg.train.out_dir)
     log.metrics(step, {plot.DONE: 1.0})  # the run's final line: plot.py --follow stops on it
-    log.print(f"done: {cfg.train.steps} steps in {(time.time() - t_start) / 60:.1f} min; run in {cfg.train.out_dir}")
+    # the machine's speed beside the wall time: sampled tokens per rollout second (all ranks) and
+    # tokens (prompt + response) through the update's forward + backward per update second
+    log.print(f"done: {cfg.train.steps} steps in {(time.time() - t_start) / 60:.1f} min (whole command "
+              f"{(time.time() - t_launch) / 60:.1f} min); rollout {speed['sampled'] / max(speed['rollout_s'], 1e-9):.0f} "
+              f"tok/s, update {speed['trained'] / max(speed['update_s'], 1e-9):.0f} tok/s; run in {cfg.train.out_dir}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

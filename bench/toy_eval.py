@@ -6,7 +6,8 @@
 Runs `eval.py generate` (greedy, the training rollout) into --out, then joins its traces.jsonl with
 the records' `lookup_sql` (data/prepare_toy.py: non-empty = the question names a category the
 database stores as a code, so only a lookup shows the right literal). Prints one JSON line:
-EX overall / on tool questions / on direct questions, tool calls per episode on each kind, how
+EX overall / on tool questions / on refine questions (the tool questions whose natural lookup
+returns no rows: `first_lookup_sql`) / on direct questions, tool calls per episode on each kind, how
 often a tool question's final query has the code's word right (the digits come from the lookup), and
 the error-recovery rate (episodes whose first query failed or returned no rows, still right).
 """
@@ -25,9 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def breakdown(traces: list[dict], records: list[dict]) -> dict:
     """traces: eval.py generate's traces.jsonl lines (one sample each); records: the data jsonl."""
     needs = {r["id"]: bool(r.get("lookup_sql")) for r in records}
+    refine = {r["id"]: bool(r.get("first_lookup_sql")) for r in records}
     out = {"n": len(traces)}
     for name, keep in (("all", lambda t: True), ("tool", lambda t: needs[t["id"]]),
-                       ("direct", lambda t: not needs[t["id"]])):
+                       ("refine", lambda t: refine[t["id"]]), ("direct", lambda t: not needs[t["id"]])):
         ts = [t for t in traces if keep(t)]
         n = max(1, len(ts))
         out[f"ex_{name}"] = round(100 * sum(t["exec_match"] for t in ts) / n, 1)
@@ -35,12 +37,16 @@ def breakdown(traces: list[dict], records: list[dict]) -> dict:
     # tool questions: did the final query at least name the code's word ('Paris' of 'Paris42')?
     gold = {r["id"]: r["gold_sql"] for r in records}
     tool = [t for t in traces if needs[t["id"]]]
-    word = lambda t: re.findall(r"'([A-Za-z]+)", gold[t["id"]])[0]  # noqa: E731
-    out["tool_word_right"] = round(100 * sum(f"'{word(t)}" in t["prediction"] for t in tool) / max(1, len(tool)), 1)
+    word = lambda t: re.findall(r"'(?:[a-z]{2}_)?([A-Za-z]+)\d", gold[t["id"]])[0]  # noqa: E731 ('st_pending7')
+    out["tool_word_right"] = round(100 * sum(word(t) in t["prediction"] for t in tool) / max(1, len(tool)), 1)
     # a first query that failed or returned nothing, and the episode still ended right
     first_bad = [t for t in traces if t["first_query_bad"]]  # eval.py generate sets it per episode
     out["first_query_bad"] = len(first_bad)
     out["recovered"] = sum(t["exec_match"] for t in first_bad)
+    # the same on refine questions, where an empty first lookup is the database's doing
+    first_bad = [t for t in first_bad if refine[t["id"]]]
+    out["refine_first_query_bad"] = len(first_bad)
+    out["refine_recovered"] = sum(t["exec_match"] for t in first_bad)
     return out
 
 

@@ -19,7 +19,15 @@ Two kinds of question, mixed (~73% need the tool):
              customers WHERE city LIKE 'Paris%') returns the code. Reading that observation is
              what makes the final query right: held-out databases have other digits, never the
              one training golds use most for the word, so a memorised code is wrong there.
-Each record carries `template` (per-template EX) and `lookup_sql` ("" for direct questions).
+  refine     a tool question on the column a database stores behind a prefix ('st_pending7',
+             toy_schemas.code_prefix; one of the two category columns of every database): the
+             natural lookup (LIKE 'pending%', the record's `first_lookup_sql`) returns no rows,
+             and only a broader one (LIKE '%pending%', its `lookup_sql`) shows the code. Nothing
+             in the prompt says which column is prefixed: the policy learns it from the empty
+             observation and looks again (hence env.max_turns 3 in configs/tiny.yaml).
+Each record carries `template` (per-template EX), `lookup_sql` ("" for direct questions; the
+lookup whose observation shows the code) and `first_lookup_sql` ("" unless the natural lookup,
+tried before `lookup_sql`, returns no rows).
 Every gold is executed here; the script fails if any errors, if a template's results are mostly
 empty, or if an ORDER BY ... LIMIT gold has a tie at its cut (an ambiguous answer).
 Same seed -> byte-identical files (seeded by strings, databases written whole then renamed; the
@@ -42,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # toy_schemas.py
 from dataset import make_record, write_jsonl  # noqa: E402
 from toy_schemas import CODE_DIGITS, CODE_SEP, FAMILIES, encode_categories, make_rows, write_db  # noqa: E402
 
-CODE = re.compile(rf"([A-Za-z]+){re.escape(CODE_SEP)}(\d{{{CODE_DIGITS}}})")  # 'Paris4' -> ('Paris', '4')
+# 'Paris4' -> ('Paris', '4'), 'ci_Paris4' -> ('Paris', '4')
+CODE = re.compile(rf"(?:[a-z]{{2}}_)?([A-Za-z]+){re.escape(CODE_SEP)}(\d{{{CODE_DIGITS}}})")
 
 # many small databases: with 3 training databases per family the model memorised their codes
 # (and wrote them on held-out databases); with 12 it cannot, and copies from the observation
@@ -93,10 +102,10 @@ class Ctx:
         return sorted({r[col] for r in rows if r[col] is not None})
 
     def category(self, t, rs):
-        """A stored code of t's categorical column -> (code, the name people say, lookup SQL)."""
+        """A stored code of t's categorical column -> (code, the name people say, lookups(...))."""
         code = self.rng.choice(self.vals(rs, t["cat"]))
         name = self.names[t["table"]][code]
-        return code, name, lookup_sql(t["table"], t["cat"], name)
+        return code, name, lookups(t["table"], t["cat"], name, code)
 
     def join(self):
         return f"FROM {self.P['table']} T1 JOIN {self.C['table']} T2 ON T1.id = T2.{self.C['fk']}"
@@ -109,6 +118,17 @@ def lookup_sql(table: str, column: str, word: str) -> str:
     learnt: after its 4-6 rows the warm start had forgotten which word the question said and
     wrote another row's word (0% held-out EX on tool questions after 300 SFT steps, 10% right word)."""
     return f"SELECT DISTINCT {column} FROM {table} WHERE {column} LIKE '{word}%'"
+
+
+def lookups(table: str, column: str, word: str, code: str) -> tuple[str, str]:
+    """(first_lookup_sql, lookup_sql) of a tool question. A code that starts with the word: ("",
+    the natural lookup). A prefixed code ('st_pending7'): the natural lookup, which returns no
+    rows, then the same query with the word anywhere in the code (LIKE '%pending%'), one edit
+    from the failed query, whose observation is the code."""
+    natural = lookup_sql(table, column, word)
+    if code.startswith(word):
+        return "", natural
+    return natural, natural.replace(f"LIKE '{word}%'", f"LIKE '%{word}%'")
 
 
 def q(v) -> str:
@@ -312,7 +332,7 @@ def join_parent_cat(g):
     with_kids = {r[C["fk"]] for r in g.rows["child"]}
     code = g.rng.choice(sorted({r[P["cat"]] for r in g.rows["parent"] if r["id"] in with_kids} - {None}))
     v = g.names[P["table"]][code]
-    look = lookup_sql(P["table"], P["cat"], v)
+    look = lookups(P["table"], P["cat"], v, code)
     pw = P.get("words", {}).get(P["cat"], P["cat"])
     return g.say(["List the {Ls} of {P} {rel} {pp} whose {pw} is {v}.",
                   "Show the {L} of each {S} {rel} a {ps} with {pw} {v}."], C, rel=g.fam["rel"], v=v, pw=pw,
@@ -372,9 +392,10 @@ def not_in(g):
 # building the set
 
 
-def questions(rng: random.Random, fam: dict, rows: dict, names: dict, n: int) -> list[tuple[str, str, str, str]]:
-    """n distinct (template, question, sql, lookup_sql), templates taken round-robin so all are
-    covered (tool templates TOOL_WEIGHT times per round, each round shuffled); lookup_sql is "" for direct questions."""
+def questions(rng: random.Random, fam: dict, rows: dict, names: dict, n: int) -> list[tuple[str, str, str, str, str]]:
+    """n distinct (template, question, sql, lookup_sql, first_lookup_sql), templates taken
+    round-robin so all are covered (tool templates TOOL_WEIGHT times per round, each round
+    shuffled); both lookups are "" for direct questions."""
     g, out, seen = Ctx(rng, fam, rows, names), [], set()
     order = [t for t in TEMPLATES for _ in range(TOOL_WEIGHT if t in TOOL_TEMPLATES else 1)]
     i = 0
@@ -387,13 +408,14 @@ def questions(rng: random.Random, fam: dict, rows: dict, names: dict, n: int) ->
         if qs is None or qs[0] in seen:
             continue
         seen.add(qs[0])
-        out.append((name, qs[0], qs[1], qs[2] if len(qs) > 2 else ""))
+        first, look = qs[2] if len(qs) > 2 else ("", "")
+        out.append((name, qs[0], qs[1], look, first))
     return out
 
 
 def check_golds(out: Path, records: list[dict]) -> Counter:
-    """Run every gold read-only; fail on any error or on a template with mostly empty results, or
-    if a lookup's result is not the one code its gold uses."""
+    """Run every gold read-only; fail on any error or on a template with mostly empty results, if
+    a lookup's result is not the one code its gold uses, or if a first lookup returns rows."""
     empty, total, cons = Counter(), Counter(), {}
     for r in records:
         if r["db_path"] not in cons:
@@ -405,6 +427,8 @@ def check_golds(out: Path, records: list[dict]) -> Counter:
         if r["lookup_sql"]:  # the lookup returns exactly the code the gold uses
             listed = [row[0] for row in cons[r["db_path"]].execute(r["lookup_sql"]).fetchall()]
             assert listed == re.findall(r"'([^']*)'", r["gold_sql"]), (r["gold_sql"], listed)
+        if r["first_lookup_sql"]:  # the natural lookup a refine question starts with finds nothing
+            assert r["lookup_sql"] and not cons[r["db_path"]].execute(r["first_lookup_sql"]).fetchall(), r
         total[r["template"]] += 1
         empty[r["template"]] += not rows or all(v is None for row in rows for v in row)
     for c in cons.values():
@@ -416,7 +440,8 @@ def check_golds(out: Path, records: list[dict]) -> Counter:
 
 def prepare_toy(out_dir, seed: int = 0, verbose: bool = False) -> dict:
     """Generate the toy set under out_dir. Returns {"train": n, "eval": n, "templates": {split:
-    Counter}, "tool": {split: questions that need the tool}}."""
+    Counter}, "tool": {split: questions that need the tool}, "refine": {split: those whose first
+    lookup returns no rows}}."""
     out = Path(out_dir)
     splits = {"train": [], "eval": []}
     seen = defaultdict(Counter)  # word -> Counter(digit) over the training golds' codes
@@ -429,14 +454,17 @@ def prepare_toy(out_dir, seed: int = 0, verbose: bool = False) -> dict:
                 # a memoriser writes the code it saw most in training: held-out databases never
                 # store it (chance alone gave seed 0 a memoriser right on 23% of held-out tool questions)
                 avoid = {w: {d for d, k in c.items() if k == max(c.values())} for w, c in seen.items()}
-                names = encode_categories(rng, fam, rows, avoid if split == "eval" else None)
+                # one of the two category columns stores its codes behind a prefix ('st_pending7')
+                prefixed = (rng.choice(["parent", "child"]),)
+                names = encode_categories(rng, fam, rows, avoid if split == "eval" else None, prefixed)
                 rel = f"database/{db_id}/{db_id}.sqlite"
                 write_db(out / rel, fam, rows)
                 qs = questions(random.Random(f"toy-questions:{seed}:{db_id}"), fam, rows, names,
                                TRAIN_PER_DB if split == "train" else EVAL_PER_DB)
-                for j, (tname, question, sql, lookup) in enumerate(qs):
+                for j, (tname, question, sql, lookup, first) in enumerate(qs):
                     rec = make_record(f"toy-{db_id}-{j:03d}", "toy", db_id, rel, question, sql)
-                    splits[split].append({**rec, "template": tname, "lookup_sql": lookup})
+                    splits[split].append({**rec, "template": tname, "lookup_sql": lookup,
+                                          "first_lookup_sql": first})
                     if split == "train" and lookup:
                         word, digit = CODE.fullmatch(re.findall(r"'([^']*)'", sql)[0]).groups()
                         seen[word][int(digit)] += 1
@@ -446,10 +474,12 @@ def prepare_toy(out_dir, seed: int = 0, verbose: bool = False) -> dict:
     stats = {s: len(r) for s, r in splits.items()}
     stats["templates"] = {s: Counter(r["template"] for r in recs) for s, recs in splits.items()}
     stats["tool"] = {s: sum(bool(r["lookup_sql"]) for r in recs) for s, recs in splits.items()}
+    stats["refine"] = {s: sum(bool(r["first_lookup_sql"]) for r in recs) for s, recs in splits.items()}
     if verbose:
         print(f"toy set (seed {seed}) -> {out}: {len(FAMILIES) * DBS_PER_FAMILY} databases, "
-              f"train {stats['train']} ({stats['tool']['train']} need the tool), "
-              f"eval {stats['eval']} ({stats['tool']['eval']} need the tool)")
+              f"train {stats['train']} ({stats['tool']['train']} need the tool, {stats['refine']['train']} "
+              f"a second lookup), eval {stats['eval']} ({stats['tool']['eval']} need the tool, "
+              f"{stats['refine']['eval']} a second lookup)")
         print(f"  {'template':20s} {'train':>6s} {'eval':>6s}")
         for t in TEMPLATES:
             print(f"  {t:20s} {stats['templates']['train'][t]:6d} {stats['templates']['eval'][t]:6d}"

@@ -11,6 +11,8 @@ can learn the vocabulary of a family and still meet unseen rows (and literals) a
 Categorical values are stored as codes, not as people say them (encode_categories): "Paris" is
 'Paris4', "pending" is 'pending7'; the digit is drawn per database and value, so only a look at
 the column (SELECT DISTINCT city FROM customers) tells which code a question's "Paris" needs.
+Some databases put a column prefix before the word ('st_pending7', 'ci_Paris4'): a lookup of the
+codes that *start* with the word finds nothing there, one of the codes that *contain* it does.
 Not run directly: `python data/prepare_toy.py --out DIR` uses it.
 """
 import datetime
@@ -169,8 +171,16 @@ CODE_DIGITS = 1
 CODE_SEP = ""
 
 
+def code_prefix(column: str) -> str:
+    """The prefix a database with a prefixed naming convention stores before every code of the
+    column ('status' -> 'st_': 'st_pending7'). Fixed per column, so the warm start can learn to
+    write it once the lookup has shown it; which databases use it is drawn per database."""
+    return column[:2] + "_"
+
+
 def encode_categories(rng: random.Random, fam: dict, rows: dict,
-                      avoid: dict[str, set[int]] | None = None) -> dict[str, dict[str, str]]:
+                      avoid: dict[str, set[int]] | None = None,
+                      prefixed: tuple[str, ...] = ()) -> dict[str, dict[str, str]]:
     """Replace every categorical value by its code, in place: the word then a digit drawn here
     ('Paris' -> 'Paris4'), distinct within a column. The word is the piece the question shares
     with the code: the model copies it from the question, finds the row that starts with it in the
@@ -178,7 +188,9 @@ def encode_categories(rng: random.Random, fam: dict, rows: dict,
     line break and after the SQL quote the word has no leading space). Digits are drawn per
     database, so a memorised code is right 1 time in 9 at best; `avoid` ({word: digits}, for the
     held-out databases: the digits training golds use most for that word) makes it never right.
-    Returns {table: {code: name}}."""
+    `prefixed` names the sides ("parent", "child") whose column stores its codes behind
+    code_prefix ('st_pending7'): there the natural lookup (LIKE 'pending%') returns no rows and
+    only a broader one (LIKE '%pending%') shows the code. Returns {table: {code: name}}."""
     avoid = avoid or {}
     names = {}
     for side in ("parent", "child"):
@@ -189,7 +201,7 @@ def encode_categories(rng: random.Random, fam: dict, rows: dict,
             digit = rng.choice([d for d in range(10 ** (CODE_DIGITS - 1), 10 ** CODE_DIGITS)
                                 if d not in used and d not in avoid.get(v, ())])
             used.add(digit)
-            code[v] = f"{v}{CODE_SEP}{digit}"
+            code[v] = (code_prefix(col) if side in prefixed else "") + f"{v}{CODE_SEP}{digit}"
         for r in rows[side]:
             if r[col] is not None:
                 r[col] = code[r[col]]

@@ -1,5 +1,6 @@
 """The toy set: determinism, split by database, coverage, that every gold is a good answer, that
-tool questions need their lookup, and that the gold (multi-turn) trajectories score 1.
+tool questions need their lookup (refine questions a second one, after a natural lookup that
+finds nothing), and that the gold (multi-turn) trajectories score 1.
 
     .venv/bin/python -m pytest -q tests/test_toy.py
 """
@@ -15,8 +16,8 @@ from conftest import ROOT
 from dataset import load_examples
 
 sys.path.insert(0, str(ROOT / "data"))
-from prepare_toy import DBS_PER_FAMILY, TEMPLATES, TOOL_TEMPLATES, prepare_toy  # noqa: E402
-from toy_schemas import CODE_DIGITS, CODE_SEP, FAMILIES  # noqa: E402
+from prepare_toy import CODE, DBS_PER_FAMILY, TEMPLATES, TOOL_TEMPLATES, prepare_toy  # noqa: E402
+from toy_schemas import FAMILIES, code_prefix  # noqa: E402
 
 N_DBS = len(FAMILIES) * DBS_PER_FAMILY
 
@@ -117,27 +118,37 @@ def _text_cells(con) -> set:
 def test_tool_questions_need_the_lookup(toy):
     """The question's word is in no cell of the database, the gold with that word instead of the
     code is wrong, and the lookup (the question's word in a LIKE) returns exactly the code, from a
-    column of several codes. Held-out databases never store the code training golds use most for a word, so a
-    memoriser (the most-seen code) is never right there."""
+    column of several codes. On a prefixed column ('st_pending7') the natural lookup (the word at
+    the start) is the record's first_lookup_sql and returns no rows; the lookup is the same query
+    with the word anywhere. Held-out databases never store the code training golds use most for a
+    word, so a memoriser (the most-seen code) is never right there."""
     out, stats = toy
     recs = load_examples(out / "train.jsonl", out) + load_examples(out / "eval.jsonl", out)
     tool = [r for r in recs if r["lookup_sql"]]
-    for split in ("train", "eval"):  # a mix: the policy must learn when to call the tool
-        assert 0.65 <= stats["tool"][split] / stats[split] <= 0.8, stats["tool"]
+    for split in ("train", "eval"):  # a mix: the policy must learn when to call the tool, and
+        assert 0.65 <= stats["tool"][split] / stats[split] <= 0.8, stats["tool"]  # when to look again
+        assert 0.35 <= stats["refine"][split] / stats["tool"][split] <= 0.65, stats["refine"]
     assert {r["template"] for r in tool} == TOOL_TEMPLATES
+    assert {r["template"] for r in tool if r["first_lookup_sql"]} == TOOL_TEMPLATES
+    assert all(not r["first_lookup_sql"] for r in recs if not r["lookup_sql"])
     cells, memo, choices = {}, {}, []
     for r in tool:
         con = sqlite3.connect(f"file:{r['db_file']}?mode=ro", uri=True)
         if r["db_file"] not in cells:
             cells[r["db_file"]] = _text_cells(con)
         (code,) = re.findall(r"'([^']*)'", r["gold_sql"])
-        word, digits = re.fullmatch(rf"([a-zA-Z]+){re.escape(CODE_SEP)}(\d{{{CODE_DIGITS}}})", code).groups()
+        word, digits = CODE.fullmatch(code).groups()
         assert re.search(rf"\b{word}\b", r["question"]), (word, r["question"])  # said as people say it
         assert word.lower() not in cells[r["db_file"]], (word, r["db_id"])  # in no cell, in any case
         # the lookup: a fixed template around the question's word, and its one row is the code
-        m = re.fullmatch(r"SELECT DISTINCT (\w+) FROM (\w+) WHERE \1 LIKE '([a-zA-Z]+)%'", r["lookup_sql"])
-        assert m and m.group(3) == word, r["lookup_sql"]
+        m = re.fullmatch(r"SELECT DISTINCT (\w+) FROM (\w+) WHERE \1 LIKE '(%?)([a-zA-Z]+)%'", r["lookup_sql"])
+        assert m and m.group(4) == word, r["lookup_sql"]
         assert con.execute(r["lookup_sql"]).fetchall() == [(code,)], r["lookup_sql"]
+        prefixed = code.startswith(code_prefix(m.group(1)))
+        assert bool(r["first_lookup_sql"]) == prefixed == (m.group(3) == "%"), r
+        if prefixed:  # the natural lookup, one '%' away from the lookup, finds nothing
+            assert r["first_lookup_sql"] == r["lookup_sql"].replace(f"'%{word}%'", f"'{word}%'"), r
+            assert con.execute(r["first_lookup_sql"]).fetchall() == [], r["first_lookup_sql"]
         column = [c for (c,) in con.execute(f"SELECT DISTINCT {m.group(1)} FROM {m.group(2)}") if c]
         assert code in column and len(column) >= 2, (code, column)  # without the lookup: a real choice
         choices.append(len(column))
@@ -149,15 +160,17 @@ def test_tool_questions_need_the_lookup(toy):
     assert sum(choices) / len(choices) >= 3.5, sum(choices) / len(choices)  # codes per column, mean
     # a memoriser: the code seen most often in training for the word
     ev = [re.findall(r"'([^']*)'", r["gold_sql"])[0] for r in tool if is_eval(r["db_id"])]
-    word_of = lambda c: re.match("[a-zA-Z]+", c).group()  # noqa: E731
+    word_of = lambda c: CODE.fullmatch(c).group(1)  # noqa: E731
     hits = sum(word_of(c) in memo and memo[word_of(c)].most_common(1)[0][0] == c for c in ev)
     assert hits == 0 and len(ev) >= 150, (hits, len(ev))  # held-out codes avoid the most-seen digit
 
 
 def test_gold_trajectories_follow_the_format_and_score_one(toy):
     """sft.gold_trajectory for every eval and 300 train records: the lookup then the solution for
-    tool questions, a direct solution otherwise; SkyRL's format (reward.format_ok), a <think> after
-    every observation, and reward 1 through reward.episode_rewards."""
+    tool questions (refine questions: the natural lookup, its empty observation, then the lookup),
+    a direct solution otherwise; SkyRL's format (reward.format_ok), a <think> after every
+    observation, and reward 1 through reward.episode_rewards. With two turns a refine question
+    gets the lookup alone (no turn for the failed one)."""
     import config as C
     import env
     import reward
@@ -170,26 +183,34 @@ def test_gold_trajectories_follow_the_format_and_score_one(toy):
     tiny.build_tiny_tokenizer(str(tok_dir), texts, vocab_size=400)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     recs = load_examples(out / "eval.jsonl", out) + load_examples(out / "train.jsonl", out)[::7]
-    cfg = C.load_config(["--env.max_turns=2", "--sft.think_text=", "--sft.with_tool_turn=false",
+    cfg = C.load_config(["--env.max_turns=3", "--sft.think_text=", "--sft.with_tool_turn=false",
                          "--data.prompt_template=compact"])
+    two_turns = C.load_config(["--env.max_turns=2", "--sft.think_text=", "--data.prompt_template=compact"])
     prompts = sft.render_prompts(tok, recs, cfg.data, "tags", str(out))
     episodes = []
     for r, p in zip(recs, prompts):
         ids, mask = sft.gold_trajectory(r, p, tok, cfg, r["db_file"])
         text = tok.decode(ids[len(p):])
         assert text.endswith("<|im_end|>")
-        assert ("<observation>" in text) == bool(r["lookup_sql"]), text
+        assert text.count("<observation>") == bool(r["lookup_sql"]) + bool(r["first_lookup_sql"]), text
+        code = re.findall(r"'([^']*)'", r["gold_sql"])[0] if r["lookup_sql"] else ""
+        if r["first_lookup_sql"]:  # the failed lookup, its real (empty) observation, then the lookup
+            assert text.startswith(f"<think></think>\n<sql>{r['first_lookup_sql']}</sql>"), text
+            failed = text[text.index("<observation>"):text.index("</observation>")]
+            assert code not in failed and "(0 rows)" in failed, failed
+            text_two, _ = sft.gold_trajectory(r, p, tok, two_turns, r["db_file"])
+            assert tok.decode(text_two[len(p):]).startswith(f"<think></think>\n<sql>{r['lookup_sql']}</sql>")
         if r["lookup_sql"]:
-            assert text.startswith(f"<think></think>\n<sql>{r['lookup_sql']}</sql>"), text
-            code = re.findall(r"'([^']*)'", r["gold_sql"])[0]
-            assert code in text[text.index("<observation>"):text.index("</observation>")]
+            tail = text[text.index("</observation>") + 1:] if r["first_lookup_sql"] else text
+            assert f"<sql>{r['lookup_sql']}</sql>" in tail, text
+            assert code in tail[tail.index("<observation>"):tail.index("</observation>")]
         assert not re.search(r"</observation>(?!\s*<think>)", text), text  # SkyRL: think after each
         assert reward.format_ok(text, True) == (True, "")
         episodes.append({"db_path": r["db_file"], "gold_sql": r["gold_sql"], "response": text,
                          "final_sql": env.parse_turn(text).arg, "finished": True, "steps": []})
     scores = reward.episode_rewards(episodes, cfg.reward)
     assert [s["reward"] for s in scores] == [1.0] * len(recs), [s for s in scores if s["reward"] != 1.0][:3]
-    assert sum(bool(r["lookup_sql"]) for r in recs) >= 150
+    assert sum(bool(r["lookup_sql"]) for r in recs) >= 150 and sum(bool(r["first_lookup_sql"]) for r in recs) >= 100
 
 
 def test_schema_has_keys_nulls_dates(toy):

@@ -1,0 +1,74 @@
+"""Sampled training episodes where people look for them: <out_dir>/samples.jsonl and a wandb.Table.
+
+Every `train.sample_every` steps train.py hands the step's sampled episodes (before the
+dynamic-sampling filter) to SampleLog.write. It keeps up to `train.sample_rows` of them, the first
+sample of each prompt (different questions), appends one JSON line per episode to
+<out_dir>/samples.jsonl and, with wandb on, logs the table `samples` holding every row written so
+far (the wandb UI shows a table's latest version, so the newest one holds the whole run).
+
+A row: {"step", "question", "turns": [{"sql", "observation", "text"}, ...], "solution", "reward",
+"exec_match", "gold"}: each turn's query (the action's argument: the SQL of a tool call or of the
+solution; "" when the turn parsed to no action), the observation the env appended after it ("" on
+the last turn) and the model's raw text.
+
+    .venv/bin/python -m pytest -q tests/test_samples.py
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+COLUMNS = ["step", "question", "turns", "solution", "reward", "exec_match", "gold"]
+
+# -----------------------------------------------------------------------------
+# rows
+
+
+def episode_row(step: int, traj, rw: dict, example: dict, tokenizer) -> dict:
+    """One sampled episode as a row. traj: rollout.Trajectory; rw: its reward.episode_rewards dict."""
+    turns = []
+    for k, (start, end) in enumerate(traj.turn_spans):
+        nxt = traj.turn_spans[k + 1][0] if k + 1 < len(traj.turn_spans) else len(traj.ids)
+        # env steps run one per turn, in order; a turn the episode ended on without one has none
+        sql = traj.steps[k]["arg"] if k < len(traj.steps) else ""
+        turns.append({"sql": sql, "observation": tokenizer.decode(traj.ids[end:nxt]).strip(),
+                      "text": tokenizer.decode(traj.ids[start:end])})
+    return {"step": step, "question": example["question"], "turns": turns,
+            "solution": traj.final_sql if traj.finished else "", "reward": float(rw["reward"]),
+            "exec_match": bool(rw["exec_match"]), "gold": example["gold_sql"]}
+
+
+def pick(n_episodes: int, group_size: int, rows: int) -> list[int]:
+    """Indices of the first sample of each prompt (episodes come G per prompt), at most `rows`."""
+    return list(range(0, n_episodes, max(1, group_size)))[:rows]
+
+
+def turns_text(turns: list[dict]) -> str:
+    """The turns as one readable cell of the wandb table."""
+    return "\n".join(f"{k + 1}. {t['sql'] or t['text']}" + (f"\n   -> {t['observation']}" if t["observation"] else "")
+                     for k, t in enumerate(turns))
+
+
+# -----------------------------------------------------------------------------
+# the log
+
+
+class SampleLog:
+    """Appends rows to <out_dir>/samples.jsonl and, when run (a wandb run) is given, logs them as the
+    wandb.Table `samples` (cumulative)."""
+
+    def __init__(self, out_dir: str, run=None):
+        self.path, self.run, self.table_rows = Path(out_dir) / "samples.jsonl", run, []
+
+    def write(self, step: int, trajs, rws, exs, tokenizer, group_size: int, rows: int) -> list[dict]:
+        out = [episode_row(step, trajs[i], rws[i], exs[i], tokenizer) for i in pick(len(trajs), group_size, rows)]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as fh:
+            for r in out:
+                fh.write(json.dumps(r) + "\n")
+        if self.run is not None:
+            import wandb
+            self.table_rows += [[r["step"], r["question"], turns_text(r["turns"]), r["solution"], r["reward"],
+                                 r["exec_match"], r["gold"]] for r in out]
+            self.run.log({"samples": wandb.Table(columns=COLUMNS, data=self.table_rows)}, step=step)
+        return out
