@@ -177,7 +177,7 @@ def test_gold_trajectories_follow_the_format_and_score_one(toy):
     for r, p in zip(recs, prompts):
         ids, mask = sft.gold_trajectory(r, p, tok, cfg, r["db_file"])
         text = tok.decode(ids[len(p):])
-        assert text.endswith("<|im_end|>")
+        assert text.endswith("</solution>")  # where the rollout stops
         assert ("<observation>" in text) == bool(r["lookup_sql"]), text
         if r["lookup_sql"]:
             assert text.startswith(f"<think></think>\n<sql>{r['lookup_sql']}</sql>"), text
