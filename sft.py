@@ -193,26 +193,13 @@ def observation_ids(tokenizer, obs: str, conversation: str) -> list[int]:
 
 
 def build_dataset(examples, prompts, tokenizer, cfg: C.Config, db_paths) -> list[tuple[list[int], list[int]]]:
-    """(ids, mask) of every gold episode a rollout could produce: those longer than
-    sampling.max_context, or with a turn longer than sampling.max_new_tokens, are left out."""
-    out = []
-    for ep in gold_episodes(examples, prompts, tokenizer, cfg, db_paths):
-        turn_lengths = [len(run) for run in _runs(ep.mask)]
-        if len(ep.ids) < cfg.sampling.max_context and max(turn_lengths) <= cfg.sampling.max_new_tokens:
-            out.append((ep.ids, ep.mask))
+    """(ids, mask) of every gold episode that fits sampling.max_context (longer ones are left out;
+    none fitting is an error: the warm start would have nothing to train on)."""
+    out = [(ep.ids, ep.mask) for ep in gold_episodes(examples, prompts, tokenizer, cfg, db_paths)
+           if len(ep.ids) <= cfg.sampling.max_context]
+    if examples and not out:
+        raise ValueError(f"no gold episode fits sampling.max_context {cfg.sampling.max_context}: nothing to warm start on")
     return out
-
-
-def _runs(mask: list[int]) -> list[list[int]]:
-    """The maximal runs of 1s in a mask (a gold episode's turns)."""
-    runs, cur = [], []
-    for m in mask + [0]:
-        if m:
-            cur.append(m)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    return runs
 
 
 # -----------------------------------------------------------------------------

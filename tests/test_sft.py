@@ -163,15 +163,13 @@ def test_a_gold_the_env_does_not_read_as_meant_is_an_error(assets, monkeypatch):
             sft.gold_episodes([recs[0]], [[]], None, cfg, [db])
 
 
-def test_build_dataset_keeps_only_what_a_rollout_could_write(assets):
-    """Episodes over sampling.max_context, or with a turn over sampling.max_new_tokens, are left out."""
+def test_build_dataset_leaves_out_golds_over_max_context(assets):
     _, root, recs, tok, _ = assets
     cfg = make_cfg(assets, "actions", "single")
     prompts, dbs, eps = play(assets, cfg)
-    assert len(sft.build_dataset(recs, prompts, tok, cfg, dbs)) == len(recs)
-    longest_turn = max(len(run) for e in eps for run in sft._runs(e.mask))
-    short = make_cfg(assets, "actions", "single", f"--sampling.max_new_tokens={longest_turn - 1}")
-    assert len(sft.build_dataset(recs, prompts, tok, short, dbs)) < len(recs)
+    assert sft.build_dataset(recs, prompts, tok, cfg, dbs) == [(e.ids, e.mask) for e in eps]
     ctx = sorted(len(e.ids) for e in eps)[len(eps) // 2]
     small = make_cfg(assets, "actions", "single", f"--sampling.max_context={ctx}")
-    assert len(sft.build_dataset(recs, prompts, tok, small, dbs)) == sum(len(e.ids) < ctx for e in eps)
+    assert len(sft.build_dataset(recs, prompts, tok, small, dbs)) == sum(len(e.ids) <= ctx for e in eps) < len(recs)
+    with pytest.raises(ValueError, match="no gold episode fits"):
+        sft.build_dataset(recs, prompts, tok, make_cfg(assets, "actions", "single", "--sampling.max_context=8"), dbs)
