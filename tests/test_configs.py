@@ -101,3 +101,35 @@ def test_config_runs_one_tiny_step(path, assets, tmp_path, monkeypatch, capsys):
     assert saved["env"]["protocol"] == recipe.env.protocol
     assert saved["env"]["conversation"] == recipe.env.conversation
     assert Path(saved["model"]["path"]).parent == Path(assets[4].split("=", 1)[1]).parent
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_config_warm_start_writes_well_formed_episodes_in_its_protocol(path, assets):
+    """The SFT warm start's gold episodes, as the recipe renders them (its protocol, conversation
+    format, turns, think text) on toy records with and without a lookup: well formed and the full
+    reward (dense shaping included), with the lookup whenever the recipe has a turn for it."""
+    from transformers import AutoTokenizer
+
+    import dataset
+    import reward
+    import sft
+    cfg = C.load_config([str(path), *assets, "--env.workers=1"])
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    train_ex = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
+    recs = [r for r in train_ex if r["lookup_sql"]][:4] + [r for r in train_ex if not r["lookup_sql"]][:4]
+    dbs = [dataset.abs_db_path(r, cfg.data.db_root) for r in recs]
+    prompts = sft.render_prompts(tok, recs, cfg.data, cfg.env.protocol, cfg.data.db_root)
+    eps = sft.gold_episodes(recs, prompts, tok, cfg, dbs)
+    scores = reward.episode_rewards([{"db_path": d, "gold_sql": r["gold_sql"], "response": e.text,
+                                      "final_sql": e.final_sql, "finished": e.finished, "steps": e.steps}
+                                     for d, r, e in zip(dbs, recs, eps)],
+                                    cfg.reward, cfg.env.protocol, reward.conversation_pieces(tok, cfg.env))
+    for r, e, s in zip(recs, eps, scores):
+        assert s["format_ok"] and s["exec_match"] and s["reward"] >= cfg.reward.correct, (path.name, s, e.text)
+        if r["lookup_sql"] and rollout_turns(cfg) > 1:  # the lookup's observation shows the code
+            assert any(st["arg"] == r["lookup_sql"] for st in e.steps), (path.name, e.text)
+
+
+def rollout_turns(cfg) -> int:
+    import rollout
+    return rollout.max_turns(cfg.env)

@@ -1,7 +1,8 @@
 """notebooks/train_grpo.ipynb stays runnable: it is a valid nbformat v4 notebook saved without
 outputs, and it executes top to bottom (nbclient + an IPython kernel) on the embedded default with a
-reduced step count, drawing its live plot, the random baseline and a trace; the GPU section skips
-itself on a machine without one. ~1 min on 2 cores. Skips with a message when nbclient, nbformat,
+reduced step count, drawing its live plot, the random baseline and a trace; section 7 shows a gold
+warm-start episode in the actions protocol and, on a machine without a GPU, trains that protocol's
+tiny config instead of Qwen3. ~2 min on 2 cores. Skips with a message when nbclient, nbformat,
 ipykernel or matplotlib are absent (pip install -r requirements-dev.txt).
 
     .venv/bin/pytest tests/test_notebook.py -q
@@ -40,6 +41,7 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     toy, model = tmp_path / "toy", tmp_path / "model"
     small = {
         "OUT_DIR": str(tmp_path / "run"),
+        "ACTIONS_OUT_DIR": str(tmp_path / "run_actions"),  # section 7 without a GPU: configs/tiny_actions.yaml
         "EXTRA": [f"--data.train_path={toy}/train.jsonl", f"--data.eval_path={toy}/eval.jsonl",
                   f"--data.db_root={toy}", f"--model.path={model}", "--model.tiny_hidden_size=32",
                   "--model.tiny_layers=1", "--model.tiny_heads=2", "--model.tiny_kv_heads=1",
@@ -70,6 +72,12 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     assert out[live].startswith("memory estimate") and "protocol:" not in out[live]  # config dump skipped
     assert any("held-out EX: random baseline" in t and "end (step 2)" in t for t in out.values())
     assert any("section 7 skipped: needs" in t and "QWEN3_PATH" in t for t in out.values())
+    # section 7: a gold warm-start episode in the actions protocol, then that protocol trained on CPU
+    gold = next(t for t in out.values() if "--- a gold warm-start episode (actions protocol" in t)
+    assert "<action>DESCRIBE" in gold and "<action>ANSWER" in gold and "exec True" in gold, gold
+    actions = [json.loads(line) for line in (tmp_path / "run_actions" / "metrics.jsonl").read_text().splitlines()]
+    assert actions[-1] == {"step": 2, "run/done": 1.0} and any("eval/random_ex" in r for r in actions)
+    assert sum("held-out EX: random baseline" in t for t in out.values()) == 2
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert recs[-1] == {"step": 2, "run/done": 1.0}
     assert (tmp_path / "run" / "metrics.png").stat().st_size > 10_000

@@ -191,7 +191,7 @@ def test_gold_trajectories_follow_the_format_and_score_one(toy):
     for r, p in zip(recs, prompts):
         ids, mask = sft.gold_trajectory(r, p, tok, cfg, r["db_file"])
         text = tok.decode(ids[len(p):])
-        assert text.endswith("<|im_end|>")
+        assert text.endswith("</solution>")  # where the rollout stops
         assert text.count("<observation>") == bool(r["lookup_sql"]) + bool(r["first_lookup_sql"]), text
         code = re.findall(r"'([^']*)'", r["gold_sql"])[0] if r["lookup_sql"] else ""
         if r["first_lookup_sql"]:  # the failed lookup, its real (empty) observation, then the lookup

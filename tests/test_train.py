@@ -79,7 +79,7 @@ def test_sft_gold_trajectory_masks_model_side(tmp_path, tiny_model):
         model_text = tok.decode([i for i, m in zip(ids, mask) if m])
         gold = ex["gold_sql"]
         think = f"<think>{cfg.sft.think_text}</think>\n"
-        assert model_text == f"{think}<sql>{gold}</sql>{think}<solution>{gold}</solution><|im_end|>"
+        assert model_text == f"{think}<sql>{gold}</sql>{think}<solution>{gold}</solution>"  # the rollout stops on </solution>
         obs = tok.decode([i for i, m in zip(ids[len(p):], mask[len(p):]) if not m])
         assert "<observation>" in obs and "turns left" in obs  # the real tool output, not trained on
 
