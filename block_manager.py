@@ -27,6 +27,7 @@ class BlockManager:
         self.free = list(range(num_blocks - 1, -1, -1))  # a stack: lowest ids are handed out first
         self.refs = [0] * num_blocks  # sequences holding each block
         self.copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) not yet applied
+        self.peak_used = 0  # most blocks in use at once (what the work needed of the pool)
 
     @property
     def num_free(self) -> int:
@@ -81,4 +82,5 @@ class BlockManager:
             raise RuntimeError("KV cache out of blocks (the scheduler should have made room first)")
         b = self.free.pop()
         self.refs[b] = 1
+        self.peak_used = max(self.peak_used, self.num_used)
         return b

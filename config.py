@@ -78,6 +78,10 @@ class EnvConfig:
     #                              invalid-action observation and the episode goes on (SkyRL's generator)
     tool_overlap_steps: int = 4  # engine steps a batch of tool calls runs beside decoding before
     #                              its rows wait for it (a fixed count keeps the rollout deterministic)
+    tool_wait: str = choice("fixed", "fixed", "async")  # fixed: a tool batch is collected tool_overlap_steps
+    #   engine steps after it was submitted (the loop waits for it there; a reproducible schedule); async: rows
+    #   rejoin as soon as their results arrive and the loop waits only when nothing else can run (a slow query
+    #   stalls only its own rows; each row samples the same tokens, the engine's batches depend on timing)
     tool_timeout_s: float = 5.0
     max_rows: int = 50  # rows shown when the table is too long
     fetch_rows: int = 10000  # rows fetched at most (memory bound)

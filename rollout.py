@@ -10,19 +10,22 @@ the env parses the turn and runs its SQL; the observation's tokens are appended 
 the next turn samples after them; `_end_reason` alone decides when an episode ends. Token in,
 token out: ids are never re-tokenized, the loss mask is 1 exactly on sampled tokens, logprobs are
 the sampler's (log softmax of logits / temperature). The engine (engine.py: paged KV cache,
-continuous batching) keeps every row's cache between turns; rows that ended a turn wait for their
-tool calls in a background thread while the others keep decoding (ToolCalls). Randomness is
-counter-based per (seed, trajectory, position) (sampling.py): batching, evictions and timing
-never change a sample.
+continuous batching) keeps every row's cache between turns. All episodes start in one engine.add,
+so the n samples of an example are prefilled once and share the prompt's KV blocks (an
+observation extends only its own row; the shared, partly filled last block is copied on first
+write). Rows that ended a turn wait for their tool calls in background threads while the others
+keep decoding (ToolCalls; env.tool_wait: fixed = collected a fixed number of engine steps later,
+async = as soon as they arrive). Randomness is counter-based per (seed, trajectory, position)
+(sampling.py): batching, sharing, evictions and timing never change a sample.
 
-Tests: .venv/bin/pytest tests/test_rollout.py tests/test_engine.py
+Tests: .venv/bin/pytest tests/test_rollout.py tests/test_engine.py tests/test_rollout_share.py
 Benchmarks: bench/sampler.py, bench/multiturn.py, bench/rollout_scale.py
 """
 from __future__ import annotations
 
 import functools
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import dataset
@@ -139,11 +142,12 @@ def max_turns(env_cfg) -> int:
 
 
 def rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root, *, n: int = 1, seed: int = 0,
-            greedy: bool = False, dtype=None, logits_hook=None) -> list[Trajectory]:
+            greedy: bool = False, dtype=None, logits_hook=None, stats: dict | None = None) -> list[Trajectory]:
     """Multi-turn episodes, n samples per example (example-major: index i*n + j is sample j of
     example i). Each example needs db_path (absolute or relative to db_root) + what
     prompts.build_messages reads (question, evidence, ...). dtype: the KV cache's (the compute
-    dtype; default the parameters'). Returns P*n Trajectories."""
+    dtype; default the parameters'). stats: a dict to fill with engine_counters (prefilled
+    tokens, peak blocks, ...). Returns P*n Trajectories."""
     import env
     prompts = [render_prompt(tokenizer, ex, data_cfg, env_cfg.protocol, db_root) for ex in examples]
     dbs = [dataset.abs_db_path(ex, db_root) for ex in examples]
@@ -151,9 +155,9 @@ def rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root
     stopper = StopChecker(tokenizer, env.STOP_STRINGS[env_cfg.protocol], eos_ids(tokenizer), model.config.vocab_size)
     with Engine(model, sampling_cfg, stopper, worst_case=[_worst_case(t, env_cfg, sampling_cfg) for t in trajs],
                 greedy=greedy, dtype=dtype, logits_hook=logits_hook) as engine, ToolCalls(env_cfg) as tools:
-        for t in trajs:
-            _continue(engine, t, [], sampling_cfg.max_context)
+        _continue(engine, [(t, []) for t in trajs], sampling_cfg.max_context)  # one add: a prompt's n share its prefill
         while engine.busy() or tools.busy():
+            returning = []
             for t, step in tools.collect(engine.steps, idle=not engine.busy()):  # the env stepped a turn
                 t.steps.append(env.step_record(step))
                 t.num_tool_calls += step.action.kind in ("sql", "describe", "sample", "query")
@@ -161,16 +165,31 @@ def rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root
                     t.finished, t.final_sql = True, step.action.arg
                 obs = observation_ids(tokenizer, step.observation, env_cfg.conversation, t.ids[-1])
                 if not _end(engine, t, _end_reason(t, env_cfg, sampling_cfg, step, obs)):
-                    _continue(engine, t, obs, sampling_cfg.max_context)
+                    returning.append((t, obs))
+            _continue(engine, returning, sampling_cfg.max_context)
             ended = [trajs[seq.index] for seq in engine.step()]  # a turn ended: end, or run its tool call
             for t in ended:
                 t.turn_spans.append((t.seq.turn_start, len(t.ids)))
             tools.submit(engine.steps, [(t, dbs[t.index], tokenizer.decode(t.ids[t.seq.turn_start:]),
                                          max_turns(env_cfg) - t.seq.num_turns)
                                         for t in ended if not _end(engine, t, _end_reason(t, env_cfg, sampling_cfg))])
+        if stats is not None:
+            stats.update(engine_counters(engine))
     for t in trajs:
         t.num_turns, t.text, t.seq = t.seq.num_turns, tokenizer.decode(t.ids[len(t.prompt_ids):]), None
     return trajs
+
+
+def engine_counters(engine: Engine) -> dict:
+    """What a rollout cost the engine: its stats (steps; per decode step summed: live_rows,
+    blocks_used, tokens_live) plus evictions, prefill_tokens (tokens fed to prefill forwards:
+    prompts, observations with the turn's last sampled token, recomputed rows), prompt_prefill_tokens
+    (of them, new prompts': once per distinct prompt), peak_blocks (most KV blocks in use at once)
+    and pool_blocks (the pool's size)."""
+    sched = engine.scheduler
+    return dict(engine.stats, evictions=engine.evictions, prefill_tokens=sched.prefilled_tokens,
+                prompt_prefill_tokens=sched.prefilled_prompt_tokens, peak_blocks=engine.blocks.peak_used,
+                pool_blocks=engine.blocks.num_blocks)
 
 
 def _end_reason(t: Trajectory, env_cfg, sampling_cfg, step=None, observation=None) -> str:
@@ -199,15 +218,19 @@ def _end(engine: Engine, t: Trajectory, reason: str) -> bool:
     return bool(reason)
 
 
-def _continue(engine: Engine, t: Trajectory, observation: list[int], max_context: int) -> None:
-    """Append the observation (loss mask 0) and start the next turn."""
-    if len(t.ids) + len(observation) >= max_context:  # only a prompt can get here too long
-        _end(engine, t, "max_context")
-        return
-    t.ids.extend(observation)
-    t.loss_mask.extend([0] * len(observation))
-    t.logprobs.extend([0.0] * len(observation))
-    engine.add([t.seq])
+def _continue(engine: Engine, items: list[tuple[Trajectory, list[int]]], max_context: int) -> None:
+    """Append each observation (loss mask 0) and start the next turns, all in one engine.add: the
+    scheduler groups identical new prompts (the n samples of an example) into one prefill."""
+    seqs = []
+    for t, observation in items:
+        if len(t.ids) + len(observation) >= max_context:  # only a prompt can get here too long
+            _end(engine, t, "max_context")
+            continue
+        t.ids.extend(observation)
+        t.loss_mask.extend([0] * len(observation))
+        t.logprobs.extend([0.0] * len(observation))
+        seqs.append(t.seq)
+    engine.add(seqs)
 
 
 def _worst_case(t: Trajectory, env_cfg, sampling_cfg) -> int:
@@ -218,17 +241,33 @@ def _worst_case(t: Trajectory, env_cfg, sampling_cfg) -> int:
 
 
 class ToolCalls:
-    """The env steps of ended turns, run in a background thread while the engine keeps decoding.
+    """The env steps of ended turns, run in background threads while the engine keeps decoding.
 
-    A batch submitted at engine step s is collected at step s + env_cfg.tool_overlap_steps, or as
-    soon as the engine has nothing else to do; if it is not finished by then, the loop waits. The
-    schedule is fixed so which rows return when, and so every batch the engine forms, never
-    depends on timing: a seeded rollout is reproducible.
+    The rows whose turns end at one engine step are one batch (one env.step_batch call, so its
+    queries run in parallel on the SQL pool). env.tool_wait says when a batch's rows come back:
+
+    fixed  a batch submitted at engine step s is collected at step s + env_cfg.tool_overlap_steps,
+           or as soon as the engine has nothing else to do; if it is not finished by then, the
+           loop waits. Which rows return when, and so every batch the engine forms, never depends
+           on timing: a seeded rollout is reproducible step for step.
+    async  every finished batch is collected at the next step, whatever its age; the loop waits
+           (for the first batch to finish) only when the engine has nothing else to do. A slow
+           query holds only its own batch's rows; the others keep decoding and batches behind it
+           run on other threads. Each row still samples the same tokens (the noise of a token
+           depends on its row and position only); which steps the engine batches rows in depends
+           on timing. Rows of a later batch that also run SQL still queue behind a slow query in
+           the SQL pool (sandbox.SqlPool runs one call at a time on its workers).
     """
 
+    ASYNC_THREADS = 4  # async: batches stepped at once (a slow one does not hold the next in line)
+
     def __init__(self, env_cfg):
-        self.cfg, self.pending = env_cfg, deque()
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="tool-calls")
+        if env_cfg.tool_wait not in ("fixed", "async"):
+            raise ValueError(f"env.tool_wait={env_cfg.tool_wait!r}: expected 'fixed' or 'async'")
+        self.cfg, self.pending = env_cfg, deque()  # (due step, trajectories, future), submission order
+        self.wait_async = env_cfg.tool_wait == "async"
+        threads = self.ASYNC_THREADS if self.wait_async else 1
+        self.thread = ThreadPoolExecutor(threads, thread_name_prefix="tool-calls")
 
     def __enter__(self):
         return self
@@ -248,9 +287,20 @@ class ToolCalls:
             self.pending.append((step + self.cfg.tool_overlap_steps, [i[0] for i in items], future))
 
     def collect(self, step: int, idle: bool) -> list:
-        """(trajectory, env.StepResult) of every batch due at this step (all of them when idle)."""
+        """(trajectory, env.StepResult) of every batch due at this step: fixed, those submitted
+        tool_overlap_steps ago (all of them when idle); async, those finished (when idle and none
+        has finished, the first to finish)."""
+        if self.wait_async:
+            if idle and self.pending and not any(f.done() for _, _, f in self.pending):
+                wait([f for _, _, f in self.pending], return_when=FIRST_COMPLETED)
+            finished = [p[2].done() for p in self.pending]  # read once: a future may finish meanwhile
+            due = [p for p, done in zip(self.pending, finished) if done]
+            self.pending = deque(p for p, done in zip(self.pending, finished) if not done)
+        else:
+            due = []
+            while self.pending and (idle or self.pending[0][0] <= step):
+                due.append(self.pending.popleft())
         out = []
-        while self.pending and (idle or self.pending[0][0] <= step):
-            _, trajs, future = self.pending.popleft()
+        for _, trajs, future in due:
             out += zip(trajs, future.result())
         return out

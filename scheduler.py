@@ -15,9 +15,11 @@ allow (no waves, no worst-case reservation). When a decode step needs a block an
 the most recently admitted sequence is evicted: its blocks are freed and it is queued to be
 recomputed from its ids (tokens and randomness are per position, so nothing changes).
 
-Identical new prompts queued together (the G samples of a prompt) form one group: the first is
-prefilled, the others share its blocks and its last logits (block_manager.py copies the partly
-filled last block on first write).
+Identical new prompts (the G samples of a prompt) form one group while they wait, whichever
+add() call queued them: a new prompt joins the queued group with the same ids (equal ids, not
+just equal length). The group's first sequence is prefilled, the others share its blocks and its
+last logits (block_manager.py copies the partly filled last block on first write). A prompt
+that arrives after its group was prefilled starts a new group (no prefix cache).
 
 Tests: .venv/bin/pytest tests/test_engine.py
 """
@@ -66,9 +68,12 @@ class Scheduler:
         self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (rows x longest)
         self.returning: deque[list[Sequence]] = deque()  # evicted or continuing: go first
         self.new: deque[list[Sequence]] = deque()  # new prompts, grouped by identical ids
+        self.new_groups: dict[tuple, list[Sequence]] = {}  # ids -> its group in self.new (not yet prefilled)
         self.running: list[Sequence] = []
         self.holders: dict[Sequence, None] = {}  # every sequence holding blocks, oldest first
         self.evictions = 0
+        self.prefilled_tokens = 0  # tokens fed to prefill forwards (prompts, observations, recomputes)
+        self.prefilled_prompt_tokens = 0  # of them, new prompts' (once per group of identical prompts)
 
     def busy(self) -> bool:
         return bool(self.running or self.returning or self.new)
@@ -77,16 +82,19 @@ class Scheduler:
     # state changes requested by the engine
 
     def add(self, seqs: list[Sequence]) -> None:
-        """Queue sequences whose ids grew past what is cached (a new prompt or an observation)."""
-        groups: dict[tuple, list[Sequence]] = {}
+        """Queue sequences whose ids grew past what is cached (a new prompt or an observation).
+        A new prompt joins the queued group of identical ids (from this call or an earlier one)."""
         for s in seqs:
             assert s.status in ("new", "paused"), s.status
             if s.status == "new":  # a fresh prompt: identical ones form a group
-                groups.setdefault(tuple(s.ids), []).append(s)
+                group = self.new_groups.get(tuple(s.ids))
+                if group is None:
+                    group = self.new_groups[tuple(s.ids)] = []
+                    self.new.append(group)
+                group.append(s)
             else:
                 self.returning.append([s])
             s.status = "waiting"
-        self.new.extend(groups.values())
 
     def pause(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -154,10 +162,14 @@ class Scheduler:
             self.holders.setdefault(lead, None)  # ordered by first admission: the latest go first
             batch.seqs.append(lead)
             batch.chunks.append(chunk)
+            self.prefilled_tokens += chunk
+            self.prefilled_prompt_tokens += chunk if queue is self.new else 0
             longest = max(longest, chunk)
             if chunk < pending:
                 break  # the rest of this prompt goes in the next forward
             queue.popleft()
+            if queue is self.new and self.new_groups.get(tuple(lead.ids)) is group:
+                del self.new_groups[tuple(lead.ids)]  # prefilled: a later identical prompt starts a new group
             lead.followers = group[1:]
         return batch
 
