@@ -93,6 +93,54 @@ def test_lora_update_trains_only_adapters(tmp_path):
     assert (got - want).abs().max() <= 1e-4
 
 
+def dropout_update(tmp_path, dropout: float, monkeypatch):
+    """One rollout batch (fixed trajectories and advantages) through train.update with 2
+    mini-batches on a sharded LoRA model with model.lora_dropout = dropout, seeded. Returns
+    (the adapters after, [(grad enabled, model.training) at every packing.forward call])."""
+    if not (tmp_path / "config.json").exists():
+        tiny.build_tiny(str(tmp_path), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    distributed.setup_dist()
+    cfg = C.load_config(["--sampling.temperature=1.0", "--sampling.top_p=1.0", "--sampling.max_new_tokens=6",
+                         "--optim.lr=0.03", "--optim.weight_decay=0.0", "--grpo.group_size=4",
+                         "--grpo.mini_batches=2", "--model.lora_rank=8", "--model.lora_alpha=16",
+                         f"--model.lora_dropout={dropout}"])
+    torch.manual_seed(0)
+    model = Transformer.from_pretrained(str(tmp_path))
+    lora.apply(model, cfg.model)  # same seed: the same A whatever the dropout
+    model = distributed.shard(model, torch.float32)
+    opt, sch = optim.make_optimizer(model, cfg.optim, cfg.optim.lr, 0, 100)
+    prompt = tok.encode("<|im_start|>user\nsay a<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    with distributed.unsharded(model), lora.merged(model):
+        trajs = rollout.generate(model, [prompt] * 8, cfg.sampling, [], tok, seed=0, eos=[])
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5] * 2)
+    modes, real_forward = [], train.packing.forward
+
+    def recording_forward(model_, *a, **kw):
+        modes.append((torch.is_grad_enabled(), model_.training))
+        return real_forward(model_, *a, **kw)
+    monkeypatch.setattr(train.packing, "forward", recording_forward)
+    torch.manual_seed(1)
+    m = train.update(model, None, opt, sch, trajs, adv, cfg, 1, torch.device("cpu"))
+    monkeypatch.undo()
+    assert m["grad_norm"] > 0
+    assert not model.training  # the mode it found (from_pretrained: eval) is restored
+    return {n: p.full_tensor().clone() for n, p in model.named_parameters() if p.requires_grad}, modes
+
+
+def test_lora_dropout_changes_the_update_and_old_logprobs_are_scored_without_it(tmp_path, monkeypatch):
+    """model.lora_dropout > 0 changes the adapters one update gives (the loss runs in training
+    mode), while the old logprobs of a multi-mini-batch update are scored in eval mode: they
+    stand for the policy that sampled, which ran without dropout."""
+    plain, modes_plain = dropout_update(tmp_path, 0.0, monkeypatch)
+    dropped, modes = dropout_update(tmp_path, 0.5, monkeypatch)
+    assert plain.keys() == dropped.keys()
+    assert any(not torch.equal(plain[n], dropped[n]) for n in plain if ".lora_B." in n)
+    assert modes == modes_plain and (False, False) in modes and (True, True) in modes
+    assert all(grad == training for grad, training in modes)  # scoring: no grad, eval; loss: grad, train
+
+
 # -----------------------------------------------------------------------------
 # train.py end to end
 

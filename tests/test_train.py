@@ -117,6 +117,26 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
         assert len(steps) == (stops_at or 40)
 
 
+def test_sft_loss_runs_in_training_mode(tmp_path, tiny_model, monkeypatch):
+    """The warm start's loss forwards run in training mode (dropout on), and the model comes back
+    in the mode it had (from_pretrained: eval, what rollouts and scoring use)."""
+    path, tok = tiny_model
+    sys.path.insert(0, str(ROOT / "data"))
+    from prepare_toy import prepare_toy
+    prepare_toy(str(tmp_path), seed=0)
+    import dataset
+    cfg = C.load_config(["--sft.steps=2", "--sft.batch_size=4", "--data.prompt_template=compact",
+                         f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1"])
+    train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=16)
+    modes, real_loss = [], sft.sft_loss_sum
+    monkeypatch.setattr(sft, "sft_loss_sum", lambda model, *a, **kw: modes.append(model.training) or
+                        real_loss(model, *a, **kw))
+    log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    model = Transformer.from_pretrained(path)
+    train.run_sft(model, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log)
+    assert modes and all(modes) and not model.training
+
+
 def run_train(args, out_dir, nproc=1, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"} if nproc == 1 else torchrun_env()
     if nproc == 1:
