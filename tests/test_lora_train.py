@@ -1,7 +1,8 @@
 """LoRA through the trainer: train.update on an FSDP2 LoRA model with merged-weight rollouts
 moves only the adapters (the base stays bit-identical, AdamW holds nothing else), and its
-checkpoint's adapter/ loads in PEFT with our logits; a train.py LoRA run resumes exactly from
-ckpt_<step>/adapter. The 2-rank step equality is tests/lora_dist_check.py's `train_step` case
+checkpoint's adapter/ loads in PEFT with our logits; model.lora_dropout changes the update's
+loss but not old-logprob scoring; a train.py LoRA run that learns, with dropout, resumes exactly
+from ckpt_<step>/adapter. The 2-rank step equality is tests/lora_dist_check.py's `train_step` case
 (run by tests/test_lora.py).
 
     /work/main/.venv/bin/python -m pytest -q tests/test_lora_train.py
