@@ -170,11 +170,28 @@ def token_logprobs(model, ids: torch.Tensor, temperature: float):
     return model(ids[:, :-1], targets=ids[:, 1:], temperature=temperature)
 
 
+@contextlib.contextmanager
+def training_mode(model, training: bool):
+    """model.train(training) inside, the mode it found restored on exit. Only LoRA dropout
+    (model.lora_dropout) reads the mode: on for the SFT and GRPO losses, off wherever logprobs
+    stand for the policy itself (rollouts and evals: the engine sets eval mode; old/ref scoring)."""
+    was_training = model.training
+    model.train(training)
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def score(model, mbs, temperature: float, device) -> dict[int, torch.Tensor]:
     """No-grad logprobs of every sequence's loss tokens: {sequence index: (n_loss_tokens,)}.
-    Stored per sequence, so any later packing (mini-batches, epochs) can look them up."""
+    Stored per sequence, so any later packing (mini-batches, epochs) can look them up.
+    Eval mode (no dropout): old logprobs are the behaviour policy's, the one that sampled the
+    tokens without dropout (its sampler logprobs are rollout_logp), and a dropout mask drawn here
+    would add noise to every ratio pi/pi_old that the clip then acts on; the reference is a
+    fixed policy, not a random draw of one."""
     out = {}
-    with torch.no_grad():
+    with torch.no_grad(), training_mode(model, False):
         for mb in packing.pad_to_same_count(mbs, device):
             if mb is None:
                 model(packing.dummy(device))  # keeps FSDP2's all-gathers in step across ranks
@@ -188,6 +205,8 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
     """PPO epochs × mini-batches of optimizer steps on this rank's trajectories (packed rows)."""
     g, T = cfg.grpo, cfg.sampling.temperature
     budget = cfg.optim.micro_batch_tokens
+    was_training = model.training
+    model.train()  # the loss forwards run with dropout (score() turns it off for old/ref)
     seqs = [(t.ids, t.loss_mask) for t in trajs]
     prompt_lens = [len(t.prompt_ids) if t.ids[:len(t.prompt_ids)] == t.prompt_ids else 0 for t in trajs]
     adv = adv.tolist()
@@ -241,6 +260,7 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
     out = {k: v[0] / max(v[1], 1e-9) for k, v in stats.items() if not k.startswith("_")}
     out["grad_norm"] = stats.get("_grad_norm", [float("nan")])[0]
     out["skipped"] = float(n_steps < g.ppo_epochs * g.mini_batches)
+    model.train(was_training)
     return out
 
 
@@ -525,6 +545,8 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log):
     opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
     # the stop check's questions: 128 spread over the training set (it is ordered by database)
     probe = train_ex[::max(1, len(train_ex) // 128)][:128] if s.stop_at_train_ex > 0 else []
+    was_training = model.training
+    model.train()  # dropout on for the loss (the evals inside run in eval mode: the engine sets it)
     for i, idx in enumerate(sft.batches(len(data), s.batch_size, s.steps, cfg.train.seed, rank, world)):
         seqs = [data[j] for j in idx]
         n_tok = all_sum([sum(sum(m[1:]) for _, m in seqs)], device)[0]
@@ -555,6 +577,7 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log):
                 log.print(f"sft: stopped at step {i + 1} of {s.steps}: training EX {100 * ex:.1f}% >= "
                           f"sft.stop_at_train_ex {100 * s.stop_at_train_ex:.0f}%")
                 break
+    model.train(was_training)
     del opt, sch
 
 

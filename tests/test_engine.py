@@ -274,6 +274,50 @@ def test_rollout_matches_reference_under_small_budgets(tok_model, db, engines, b
     assert (engines[0].evictions > 0) == (budget == 400)
 
 
+# -----------------------------------------------------------------------------
+# prompts of equal token length: rows are told apart by their ids, never by their length
+
+SAME_LENGTH = ["How many pets are there?", "How many dogs are there?"]  # 17 tokens each, one word apart
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_equal_length_prompts_each_match_their_own_reference_turn(tok_model, greedy):
+    """Two prompts of the same length but different ids, 3 samples of each submitted together:
+    every row equals the reference turn of its own prompt (a scheduler that grouped prompts by
+    length would decode the second prompt's rows from the first one's cache)."""
+    tok, model = tok_model
+    distinct = [tok.encode(t) for t in SAME_LENGTH]
+    assert len(distinct[0]) == len(distinct[1]) and distinct[0] != distinct[1]
+    prompts = [p for p in distinct for _ in range(3)]
+    cfg = scfg(max_new_tokens=12)
+    stopper = StopChecker(tok, STOPS, eos_ids(tok), model.config.vocab_size)
+    got = generate(model, prompts, cfg, STOPS, tok, seed=4, greedy=greedy)
+    turns = []
+    for i, (p, g) in enumerate(zip(prompts, got)):
+        ids = list(p)
+        lps, why = ref_turn(model, ids, row_key(4, i), i, 1, cfg, stopper, greedy, None)
+        assert g.prompt_ids == p and g.ids == ids and g.stop_reason == why
+        assert torch.allclose(torch.tensor(g.logprobs[len(p):]), torch.tensor(lps), atol=1e-5, rtol=0)
+        turns.append(ids[len(p):])
+    assert turns[0] != turns[3]  # the two prompts' references differ: a mix-up cannot pass
+
+
+def test_rollout_of_equal_length_prompts_matches_reference(tok_model, db):
+    """Multi-turn: two questions whose rendered prompts have the same length, n=2 each; every
+    episode equals the reference episode of its own question (observations included)."""
+    tok, model = tok_model
+    exs = [dict(examples()[0], id=f"same{i}", question=q) for i, q in enumerate(SAME_LENGTH)]
+    rendered = [render_prompt(tok, ex, DATA, "tags", str(db)) for ex in exs]
+    assert len(rendered[0]) == len(rendered[1]) and rendered[0] != rendered[1]
+    ecfg = EnvConfig(max_turns=2, workers=1)
+    cfg = scfg(max_new_tokens=12)
+    hook = Script(tok, seed=SCRIPT_SEED)
+    got = rollout(model, tok, exs, ecfg, cfg, DATA, str(db), n=2, seed=6, logits_hook=hook)
+    want = ref_rollout(model, tok, exs, ecfg, cfg, db, n=2, seed=6, greedy=False, hook=hook)
+    assert_same(got, want)
+    assert [g.prompt_ids for g in got] == [r for r in rendered for _ in range(2)]
+
+
 def test_budget_below_one_sequence_is_a_clear_error(tok_model):
     tok, model = tok_model
     with pytest.raises(ValueError, match="kv_budget_tokens=100 cannot hold one sequence of 124 tokens"):

@@ -224,6 +224,39 @@ def test_merged_equals_adapter_forward_and_hf_export(folders, tmp_path):
         assert maxdiff(hf(x).logits, want) <= 1e-4
 
 
+# every fused projection partly targeted: qkv_proj [q, k, v] with one or two of its parts,
+# gate_up_proj [gate, up] with one; each part's rows must land at its own output offset
+PARTIAL = ["q,v,up", "k,gate", "v", "q,k,down", "k,v,o,up"]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # qwen3: q rows != k rows (head_dim 24); qwen2: biases
+@pytest.mark.parametrize("targets", PARTIAL)
+def test_merged_export_with_some_targets_equals_adapter_forward(folders, tmp_path, family, targets):
+    """lora.merged_state_dict of a model with a partial target list, saved as an HF folder:
+    transformers and our loader give the adapter forward's logits; the rows of untargeted parts
+    (and untargeted modules) are the base's bit for bit, every targeted part's rows moved."""
+    model = lora_model(folders[family], targets=targets).eval()
+    x = ids()
+    with torch.no_grad():
+        want = model(x)
+    base = dict(model.state_dict())
+    sd = lora.merged_state_dict(model)
+    assert not any(".lora_" in k for k in sd)
+    for name, layer in lora.lora_layers(model).items():
+        start = 0
+        for part, rows in layer.parts:
+            merged, orig = sd[f"{name}.weight"][start:start + rows], base[f"{name}.weight"][start:start + rows]
+            assert torch.equal(merged, orig) != (part in layer.lora_A), (name, part)
+            start += rows
+    weights = {f"{name}.weight" for name in lora.lora_layers(model)}
+    assert all(torch.equal(v, base[k]) for k, v in sd.items() if k not in weights)
+    model.save_pretrained(tmp_path / "hf", state_dict=sd)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    with torch.no_grad():
+        assert maxdiff(hf(x).logits, want) <= 1e-4
+        assert maxdiff(Transformer.from_pretrained(tmp_path / "hf")(x), want) <= 1e-4
+
+
 def test_dropout_only_in_training(folders):
     model = lora_model(folders["qwen2"], dropout=0.5)
     plain = lora_model(folders["qwen2"], dropout=0.0)  # same seed: same adapters

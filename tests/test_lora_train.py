@@ -1,7 +1,8 @@
 """LoRA through the trainer: train.update on an FSDP2 LoRA model with merged-weight rollouts
 moves only the adapters (the base stays bit-identical, AdamW holds nothing else), and its
-checkpoint's adapter/ loads in PEFT with our logits; a train.py LoRA run resumes exactly from
-ckpt_<step>/adapter. The 2-rank step equality is tests/lora_dist_check.py's `train_step` case
+checkpoint's adapter/ loads in PEFT with our logits; model.lora_dropout changes the update's
+loss but not old-logprob scoring; a train.py LoRA run that learns, with dropout, resumes exactly
+from ckpt_<step>/adapter. The 2-rank step equality is tests/lora_dist_check.py's `train_step` case
 (run by tests/test_lora.py).
 
     /work/main/.venv/bin/python -m pytest -q tests/test_lora_train.py
@@ -21,7 +22,7 @@ import rollout
 import tiny
 import train
 from model import Transformer
-from test_train import read_metrics, run_train, small_args
+from test_train import assert_resumed_steps_learn_alike, learning_args, run_train
 
 PEFT_MISSING = "peft not installed (pip install peft: a test-only dependency, see requirements-dev.txt)"
 
@@ -93,19 +94,71 @@ def test_lora_update_trains_only_adapters(tmp_path):
     assert (got - want).abs().max() <= 1e-4
 
 
+def dropout_update(tmp_path, dropout: float, monkeypatch):
+    """One rollout batch (fixed trajectories and advantages) through train.update with 2
+    mini-batches on a sharded LoRA model with model.lora_dropout = dropout, seeded. Returns
+    (the adapters after, [(grad enabled, model.training) at every packing.forward call])."""
+    if not (tmp_path / "config.json").exists():
+        tiny.build_tiny(str(tmp_path), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    distributed.setup_dist()
+    cfg = C.load_config(["--sampling.temperature=1.0", "--sampling.top_p=1.0", "--sampling.max_new_tokens=6",
+                         "--optim.lr=0.03", "--optim.weight_decay=0.0", "--grpo.group_size=4",
+                         "--grpo.mini_batches=2", "--model.lora_rank=8", "--model.lora_alpha=16",
+                         f"--model.lora_dropout={dropout}"])
+    torch.manual_seed(0)
+    model = Transformer.from_pretrained(str(tmp_path))
+    lora.apply(model, cfg.model)  # same seed: the same A whatever the dropout
+    model = distributed.shard(model, torch.float32)
+    opt, sch = optim.make_optimizer(model, cfg.optim, cfg.optim.lr, 0, 100)
+    prompt = tok.encode("<|im_start|>user\nsay a<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    with distributed.unsharded(model), lora.merged(model):
+        trajs = rollout.generate(model, [prompt] * 8, cfg.sampling, [], tok, seed=0, eos=[])
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5] * 2)
+    modes, real_forward = [], train.packing.forward
+
+    def recording_forward(model_, *a, **kw):
+        modes.append((torch.is_grad_enabled(), model_.training))
+        return real_forward(model_, *a, **kw)
+    monkeypatch.setattr(train.packing, "forward", recording_forward)
+    torch.manual_seed(1)
+    m = train.update(model, None, opt, sch, trajs, adv, cfg, 1, torch.device("cpu"))
+    monkeypatch.undo()
+    assert m["grad_norm"] > 0
+    assert not model.training  # the mode it found (from_pretrained: eval) is restored
+    return {n: p.full_tensor().clone() for n, p in model.named_parameters() if p.requires_grad}, modes
+
+
+def test_lora_dropout_changes_the_update_and_old_logprobs_are_scored_without_it(tmp_path, monkeypatch):
+    """model.lora_dropout > 0 changes the adapters one update gives (the loss runs in training
+    mode), while the old logprobs of a multi-mini-batch update are scored in eval mode: they
+    stand for the policy that sampled, which ran without dropout."""
+    plain, modes_plain = dropout_update(tmp_path, 0.0, monkeypatch)
+    dropped, modes = dropout_update(tmp_path, 0.5, monkeypatch)
+    assert plain.keys() == dropped.keys()
+    assert any(not torch.equal(plain[n], dropped[n]) for n in plain if ".lora_B." in n)
+    assert modes == modes_plain and (False, False) in modes and (True, True) in modes
+    assert all(grad == training for grad, training in modes)  # scoring: no grad, eval; loss: grad, train
+
+
 # -----------------------------------------------------------------------------
 # train.py end to end
 
 
 def lora_args(tmp_path):
-    return small_args(tmp_path) + ["--model.lora_rank=4", "--model.lora_alpha=8", "--train.steps=4",
-                                   "--train.save_every=1", "--train.keep_checkpoints=10", "--grpo.kl_beta=0.01"]
+    """A LoRA run on a warm-started base that learns (rewards vary within groups), with dropout
+    on the adapters: its masks come from the torch RNG that checkpoints save and restore."""
+    return learning_args(tmp_path) + ["--model.lora_rank=4", "--model.lora_alpha=8", "--train.steps=4",
+                                      "--train.save_every=1", "--train.keep_checkpoints=10", "--grpo.kl_beta=0.01",
+                                      "--model.lora_dropout=0.1", "--optim.warmup_steps=3"]
 
 
 def test_lora_run_resumes_exactly_and_its_adapter_loads_in_peft(tmp_path):
     """4 steps straight vs the same run resumed from its step-2 checkpoint: the adapters (and
-    the training metrics) are identical; the base is never rewritten; PEFT on the base + the
-    saved adapter gives our logits, and the merged hf/ gives them in plain transformers."""
+    the training metrics) are identical on a run that learns with dropout (grad_norm > 0); the
+    base is never rewritten; PEFT on the base + the saved adapter gives our logits, and the
+    merged hf/ gives them in plain transformers."""
     args = lora_args(tmp_path) + ["--model.lora_save_merged=true"]
     p = run_train(args, tmp_path / "straight")
     out, _ = p.communicate(timeout=300)
@@ -130,17 +183,14 @@ def test_lora_run_resumes_exactly_and_its_adapter_loads_in_peft(tmp_path):
     assert (tmp_path / "resumed" / "base" / "model.safetensors").read_bytes() == base_bytes
     name = "ckpt_000004/adapter/adapter_model.safetensors"
     assert (run / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes()
-    ms = {r["step"]: r for r in read_metrics(run) if "train/reward" in r}
-    mr = {r["step"]: r for r in read_metrics(tmp_path / "resumed") if "train/reward" in r}
-    for s in (3, 4):
-        assert ms[s]["train/reward"] == mr[s]["train/reward"] and ms[s]["train/pg_loss"] == mr[s]["train/pg_loss"]
+    assert_resumed_steps_learn_alike(run, tmp_path / "resumed", (3, 4))
 
-    # our model from the base + the saved adapter, against the merged hf/ and PEFT. (A random
-    # tiny model's groups all score -1 here, so B may still be 0: the in-process test above
-    # checks the same parity with trained, non-zero adapters.)
+    # our model from the base + the saved adapter, against the merged hf/ and PEFT (the
+    # adapters were trained: every B moved off 0)
     ours = Transformer.from_pretrained(str(run / "base"))
     lora.apply(ours, C.ModelConfig(lora_rank=4, lora_alpha=8.0))
     lora.load_adapter(ours, ck / "adapter")
+    assert all(p.abs().max() > 0 for n, p in ours.named_parameters() if ".lora_B." in n)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     with torch.no_grad():
         want = ours(ids)

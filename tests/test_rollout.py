@@ -138,6 +138,28 @@ def test_greedy_matches_transformers_generate(tiny_dir, tok, model):
         assert t.stop_reason == "length" and t.loss_mask == [0] * len(p) + [1] * 20
 
 
+SAME_LENGTH = ["How many pets are there?", "How many dogs are there?"]  # 17 tokens each, one word apart
+
+
+def test_equal_length_prompts_each_match_transformers_greedy(tiny_dir, tok, model):
+    """Two prompts of the same length but different ids, 2 copies of each in one batch: every
+    row is transformers' greedy continuation of its own prompt (rows are told apart by their
+    ids: grouping by length would decode one prompt from the other's cache)."""
+    hf = Qwen2ForCausalLM.from_pretrained(tiny_dir).eval()
+    distinct = [tok.encode(t) for t in SAME_LENGTH]
+    assert len(distinct[0]) == len(distinct[1]) and distinct[0] != distinct[1]
+    ours = generate(model, [p for p in distinct for _ in range(2)], scfg(max_new_tokens=12), [], tok, seed=0,
+                    greedy=True, eos=[])
+    refs = []
+    for p in distinct:
+        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
+        refs += [ref[0, len(p):].tolist()] * 2
+    assert refs[0] != refs[2]  # the two prompts continue differently: a mix-up cannot pass
+    assert [t.prompt_ids for t in ours] == [p for p in distinct for _ in range(2)]
+    assert [new_tokens(t) for t in ours] == refs
+
+
 def test_ragged_batch_equals_each_prompt_alone(tok, model):
     ps = prompts_of(tok)
     batch = generate(model, ps, scfg(), [], tok, seed=5, greedy=True, eos=[])
@@ -314,6 +336,21 @@ def test_multiturn_max_turns_and_real_model_logprobs(tok, db, model):
         got, ref = torch.tensor(t.logprobs[1:]), lp[0]
         mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
         assert torch.allclose(got[mask], ref[mask], atol=1e-4)
+
+
+def test_equal_length_questions_keep_their_own_logprobs(tok, db, model):
+    """Two questions whose prompts have the same length, n=2 each, sampled over two turns: each
+    episode's sampler logprobs equal a full forward of its own ids (a row decoded from another
+    prompt's cache would not)."""
+    exs = [dict(example(db), id=f"same{i}", question=q) for i, q in enumerate(SAME_LENGTH)]
+    trajs = rollout(model, tok, exs, EnvConfig(max_turns=2, workers=1),
+                    scfg(temperature=0.8, max_new_tokens=6, max_context=4096), DataConfig(), str(db), n=2, seed=1)
+    assert len(trajs[0].prompt_ids) == len(trajs[2].prompt_ids) and trajs[0].prompt_ids != trajs[2].prompt_ids
+    for t in trajs:
+        with torch.no_grad():
+            lp, _ = model(torch.tensor([t.ids[:-1]]), targets=torch.tensor([t.ids[1:]]), temperature=0.8)
+        mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
+        assert torch.allclose(torch.tensor(t.logprobs[1:])[mask], lp[0][mask], atol=1e-4)
 
 
 def test_conversation_wrapper_renders_suffix(tok):

@@ -117,6 +117,26 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
         assert len(steps) == (stops_at or 40)
 
 
+def test_sft_loss_runs_in_training_mode(tmp_path, tiny_model, monkeypatch):
+    """The warm start's loss forwards run in training mode (dropout on), and the model comes back
+    in the mode it had (from_pretrained: eval, what rollouts and scoring use)."""
+    path, tok = tiny_model
+    sys.path.insert(0, str(ROOT / "data"))
+    from prepare_toy import prepare_toy
+    prepare_toy(str(tmp_path), seed=0)
+    import dataset
+    cfg = C.load_config(["--sft.steps=2", "--sft.batch_size=4", "--data.prompt_template=compact",
+                         f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1"])
+    train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=16)
+    modes, real_loss = [], sft.sft_loss_sum
+    monkeypatch.setattr(sft, "sft_loss_sum", lambda model, *a, **kw: modes.append(model.training) or
+                        real_loss(model, *a, **kw))
+    log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    model = Transformer.from_pretrained(path)
+    train.run_sft(model, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log)
+    assert modes and all(modes) and not model.training
+
+
 def run_train(args, out_dir, nproc=1, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"} if nproc == 1 else torchrun_env()
     if nproc == 1:
@@ -138,6 +158,25 @@ def small_args(tmp_path):
             "--grpo.dynamic_sampling=false",  # a random model's groups are all equal: keep them
             "--sft.steps=2", "--sft.batch_size=4", "--sft.eval_every=0", "--train.eval_every=2",
             "--train.sample_every=0", "--train.threads=1"]
+
+
+def learning_args(tmp_path):
+    """small_args with a warm start long enough that some episodes are well formed: rewards vary
+    within groups, so every GRPO step has a gradient and the weights move (with the 2-step warm
+    start every reward is -1 and grad_norm 0, and a resume that lost the optimizer state or the
+    LR schedule would still give identical bytes)."""
+    return small_args(tmp_path) + ["--sft.steps=60", "--sft.lr=1e-2", "--sft.stop_at_train_ex=0",
+                                   "--sampling.max_new_tokens=48", "--grpo.group_size=4"]
+
+
+def assert_resumed_steps_learn_alike(straight, resumed, steps):
+    """Per-step training metrics equal between the two runs, and the steps had gradients."""
+    ms = {r["step"]: r for r in read_metrics(straight) if "train/reward" in r}
+    mr = {r["step"]: r for r in read_metrics(resumed) if "train/reward" in r}
+    for s in steps:
+        assert ms[s]["train/grad_norm"] > 0, ms[s]  # the weights moved: the comparison means something
+        for key in ("train/reward", "train/pg_loss", "train/grad_norm", "train/lr"):
+            assert ms[s][key] == mr[s][key], (s, key, ms[s][key], mr[s][key])
 
 
 def read_metrics(out_dir):
@@ -188,8 +227,10 @@ def test_bf16_end_to_end_with_fp32_masters_resumes_on_two_ranks(tmp_path):
 
 
 def test_kill_and_resume_is_exact(tmp_path):
-    """4 steps straight vs killed after the step-2 checkpoint and resumed: identical weights."""
-    args = small_args(tmp_path) + ["--train.steps=4", "--train.save_every=1", "--train.keep_checkpoints=10"]
+    """4 steps straight vs killed after the step-2 checkpoint and resumed: identical weights, on
+    a run that learns (grad_norm > 0 at the steps after the resume, under LR warmup)."""
+    args = learning_args(tmp_path) + ["--train.steps=4", "--train.save_every=1", "--train.keep_checkpoints=10",
+                                      "--optim.warmup_steps=3"]
     p = run_train(args, tmp_path / "straight")
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out[-3000:]
@@ -207,11 +248,8 @@ def test_kill_and_resume_is_exact(tmp_path):
     a = (tmp_path / "straight" / "ckpt_000004" / "hf" / "model.safetensors").read_bytes()
     b = (tmp_path / "killed" / "ckpt_000004" / "hf" / "model.safetensors").read_bytes()
     assert a == b
-    # the rollouts after resume were the same too: identical per-step training metrics
-    ms = {r["step"]: r for r in read_metrics(tmp_path / "straight") if "train/reward" in r}
-    mk = {r["step"]: r for r in read_metrics(tmp_path / "killed") if "train/reward" in r}
-    for s in (3, 4):
-        assert ms[s]["train/reward"] == mk[s]["train/reward"] and ms[s]["train/pg_loss"] == mk[s]["train/pg_loss"]
+    # the rollouts and updates after resume were the same too: identical per-step training metrics
+    assert_resumed_steps_learn_alike(tmp_path / "straight", tmp_path / "killed", (3, 4))
 
 
 def test_memory_estimate_of_the_7b_recipe_fits_80gb():
