@@ -104,9 +104,11 @@ def sample_next(logits, keys, positions, *, temperature=1.0, top_p=1.0, top_k=0,
     if PREFILTER >= V:
         return _sorted_top_p(scaled, u, top_p)
     probs = scaled.softmax(-1)  # (B, V)
-    head = scaled.topk(PREFILTER + 1, -1).indices  # (B, P + 1), equal logits in no set order
-    last, after = scaled.gather(-1, head[:, PREFILTER - 1:]).unbind(-1)
-    idx = _by_logit(scaled, head[:, :PREFILTER])  # (B, P) ranked as the full sort ranks them
+    values, head = scaled.topk(PREFILTER + 1, -1)  # (B, P + 1) descending, equal logits in no set order
+    last, after = values[:, PREFILTER - 1:].unbind(-1)
+    idx = head[:, :PREFILTER]
+    if (values[:, 1:PREFILTER] == values[:, :PREFILTER - 1]).any():
+        idx = _by_logit(scaled, idx)  # (B, P) ranked as the full sort ranks them
     ranked = probs.gather(-1, idx)  # (B, P) descending
     keep = _top_p_keep(ranked, top_p)
     j = _inverse_cdf(keep, u, truncated=True)  # (B, 1)
