@@ -327,3 +327,17 @@ def test_rollout_with_decode_windows_matches_reference(biased, db, engines):
     want = ref_rollout(model, tok, examples(), ecfg, cfg, db, n=3, seed=4, greedy=False)
     assert_same(got, want)
     assert max(w["turns"] for w in want) >= 2 and engines[0].evictions > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="decode windows replayed from CUDA graphs need a CUDA GPU (bench/gpu.sh runs the suite on one)")
+def test_decode_windows_with_cuda_graphs_match_eager_on_cuda(tok_model):
+    import copy
+    tok, model = tok_model
+    gpu = copy.deepcopy(model).cuda()
+    prompts = [tok.encode(t) for t in ["How many singers?", "SELECT name FROM", "x"]] * 3
+    eager = generate(gpu, prompts, scfg(max_new_tokens=40), STOPS, tok, seed=2)
+    graphs = generate(gpu, prompts, scfg(max_new_tokens=40, cuda_graphs=True), STOPS, tok, seed=2)
+    assert [t.ids for t in graphs] == [t.ids for t in eager]
+    for a, b in zip(graphs, eager):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
