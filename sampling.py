@@ -62,13 +62,25 @@ def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 # sampling
 
 
+PREFILTER = 128  # top-p ranks only each row's PREFILTER most likely tokens (a partial sort);
+# a row whose nucleus is wider than that (a flat distribution) is ranked by a full sort instead
+
+
 def sample_next(logits, keys, positions, *, temperature=1.0, top_p=1.0, top_k=0, greedy=False):
     """Sample one token per row. logits (B, V); keys, positions (B,) int64.
 
     Returns tokens (B,) long and their logprobs (B,) fp32 under softmax(logits / temperature),
-    the distribution the trainer recomputes (GUIDE §4). With top_p = 1 and top_k = 0 that is
-    exactly the distribution sampled from; with truncation the sampled distribution is this one
-    renormalised over the kept tokens. Greedy returns the argmax and its temperature-1 logprob.
+    the distribution the trainer recomputes. With top_p = 1 and top_k = 0 that is exactly the
+    distribution sampled from; with truncation the sampled distribution is this one renormalised
+    over the kept tokens. Greedy returns the argmax and its temperature-1 logprob.
+
+    The kept tokens are ranked by probability and u picks by inverse CDF in that order. Top-p
+    never sorts the whole vocabulary: it ranks the top PREFILTER tokens (torch.topk) and, when
+    their mass reaches top_p (the nucleus closes inside them, the common case), the prefix, its
+    cumulative sums and so the token are those a full sort gives; only the other rows are sorted
+    in full. That check is one host read per call (free on a CPU; on CUDA a sync). Equal logits
+    rank by ascending token id (a stable sort: an unstable one left their order to the
+    implementation, so a tie could pick another of the equally likely tokens than before).
     """
     logits = logits.float()
     if greedy or temperature <= 0:
@@ -78,26 +90,75 @@ def sample_next(logits, keys, positions, *, temperature=1.0, top_p=1.0, top_k=0,
     scaled = logits if temperature == 1.0 else logits / temperature  # (B, V)
     u = uniforms(keys, positions)[:, None]  # (B, 1)
     V = scaled.shape[-1]
-    idx = None
     if 0 < top_k < V:
-        scaled, idx = scaled.topk(top_k, -1)  # (B, K) sorted descending
-    elif top_p < 1.0:
-        scaled, idx = scaled.sort(-1, descending=True)
-    probs = scaled.softmax(-1)  # (B, K) the temperature distribution (renormalised over top-k)
-    keep = probs
-    if top_p < 1.0:  # keep the smallest prefix whose mass reaches top_p (always >= 1 token)
-        keep = probs * ((probs.cumsum(-1) - probs) < top_p)
+        ranked, idx = scaled.topk(top_k, -1)  # (B, K) sorted descending
+        probs = ranked.softmax(-1)  # renormalised over the top k
+        j = _inverse_cdf(_top_p_keep(probs, top_p), u, truncated=False)
+        # logprob under the full temperature distribution, not the top-k one
+        logp = probs.gather(-1, j).log().squeeze(-1) + torch.logsumexp(ranked, -1) - torch.logsumexp(scaled, -1)
+        return idx.gather(-1, j).squeeze(-1), logp
+    if top_p >= 1.0:  # the whole distribution in vocabulary order: no ranking at all
+        probs = scaled.softmax(-1)
+        j = _inverse_cdf(probs, u, truncated=False)
+        return j.squeeze(-1), probs.gather(-1, j).log().squeeze(-1)
+    if PREFILTER >= V:
+        return _sorted_top_p(scaled, u, top_p)
+    probs = scaled.softmax(-1)  # (B, V)
+    values, head = scaled.topk(PREFILTER + 1, -1)  # (B, P + 1) descending, equal logits in no set order
+    last, after = values[:, PREFILTER - 1:].unbind(-1)
+    idx = head[:, :PREFILTER]
+    if (values[:, 1:PREFILTER] == values[:, :PREFILTER - 1]).any():
+        idx = _by_logit(scaled, idx)  # (B, P) ranked as the full sort ranks them
+    ranked = probs.gather(-1, idx)  # (B, P) descending
+    keep = _top_p_keep(ranked, top_p)
+    j = _inverse_cdf(keep, u, truncated=True)  # (B, 1)
+    tok, logp = idx.gather(-1, j).squeeze(-1), ranked.gather(-1, j).log().squeeze(-1)
+    # (B,) the nucleus goes on past the top P, or the P-th logit is tied with one left out
+    wide = (ranked.cumsum(-1)[:, -1] < top_p) | (last == after)
+    if wide.any():
+        rows = wide.nonzero().squeeze(-1)
+        tok[rows], logp[rows] = _sorted_top_p(scaled[rows], u[rows], top_p)
+    return tok, logp
+
+
+def _top_p_keep(probs, top_p):
+    """probs (B, K) sorted descending -> the smallest prefix whose mass reaches top_p (>= 1 token),
+    other entries zeroed."""
+    if top_p >= 1.0:
+        return probs
+    return probs * ((probs.cumsum(-1) - probs) < top_p)
+
+
+def _inverse_cdf(keep, u, truncated: bool):
+    """Index (B, 1) into keep (B, K) whose cumulative mass first exceeds u (B, 1) of the total.
+
+    u * total can round up to total (p ~ 2^-24): then take the token at half the mass instead.
+    truncated: keep is the head of a longer ranking whose remaining entries are all zero, so an
+    index past its end stands for one of those zeros (the half-mass case) as it would in full."""
     cdf = keep.cumsum(-1)  # (B, K)
     total = cdf[:, -1:]
-    j = torch.searchsorted(cdf, u * total, right=True).clamp_(max=cdf.shape[-1] - 1)  # (B, 1)
-    # u * total can round up to total (p ~ 2^-24): then take the token at half the mass instead
-    j = torch.where(keep.gather(-1, j) > 0, j, torch.searchsorted(cdf, 0.5 * total, right=True))
-    logp = probs.gather(-1, j).log().squeeze(-1)  # > 0 by construction, so finite
-    if idx is not None:
-        if 0 < top_k < V:  # logprob under the full temperature distribution, not the top-k one
-            logp = logp + torch.logsumexp(scaled, -1) - torch.logsumexp(logits / temperature, -1)
-        j = idx.gather(-1, j)
-    return j.squeeze(-1), logp
+    j = torch.searchsorted(cdf, u * total, right=True)
+    past_end = j >= cdf.shape[-1]
+    j = j.clamp_(max=cdf.shape[-1] - 1)
+    usable = keep.gather(-1, j) > 0
+    if truncated:
+        usable &= ~past_end
+    return torch.where(usable, j, torch.searchsorted(cdf, 0.5 * total, right=True))
+
+
+def _by_logit(scaled, idx):
+    """idx (B, K) reordered by descending logit, equal logits by ascending token id (a stable
+    sort's order, so a rank never depends on the sort's implementation)."""
+    idx = idx.sort(-1).values
+    return idx.gather(-1, scaled.gather(-1, idx).sort(dim=-1, descending=True, stable=True).indices)
+
+
+def _sorted_top_p(scaled, u, top_p):
+    """Top-p over a full sort of scaled (B, V): the reference the prefilter reproduces."""
+    ranked, idx = scaled.sort(dim=-1, descending=True, stable=True)
+    probs = ranked.softmax(-1)
+    j = _inverse_cdf(_top_p_keep(probs, top_p), u, truncated=False)
+    return idx.gather(-1, j).squeeze(-1), probs.gather(-1, j).log().squeeze(-1)
 
 
 # -----------------------------------------------------------------------------
@@ -176,3 +237,24 @@ class StopChecker:
         else:
             tail = self.tokenizer.decode(ids[max(start, len(ids) - self.window):]).encode()
         return "stop" if any(s in tail for s in self.stops) else None
+
+    def candidates(self, vocab_size: int) -> torch.Tensor:
+        """(vocab_size,) bool: the tokens after which check() can answer eos or stop. The engine
+        looks the sampled tokens up on the device and calls check() only for those rows.
+
+        A stop string found by check() ends inside the newest token (an earlier end would have
+        been found one token earlier), so a token is a candidate iff it contains a stop string
+        or begins with one's proper suffix, e.g. for </sql>: ">", "l>", "ql> ...", "x</sql>y"."""
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        for i in self.eos:
+            if 0 <= i < vocab_size:
+                mask[i] = True
+        if not self.stops:
+            return mask
+        if self.table is None:  # no byte table: every token may complete one (check() decodes)
+            return torch.ones(vocab_size, dtype=torch.bool)
+        for i, piece in enumerate(self.table[:vocab_size]):
+            if i in self.cand and any(stop in piece or any(piece.startswith(stop[-k:]) for k in range(1, len(stop)))
+                                      for stop in self.stops):
+                mask[i] = True
+        return mask

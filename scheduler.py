@@ -59,6 +59,7 @@ class Batch:
     kind: str  # "prefill" | "decode"
     seqs: list[Sequence]
     chunks: list[int] = field(default_factory=list)  # prefill: tokens fed per sequence
+    steps: int = 1  # decode: steps whose blocks are reserved
 
 
 class Scheduler:
@@ -122,20 +123,31 @@ class Scheduler:
     # -------------------------------------------------------------------------
     # the next forward
 
-    def schedule(self) -> Batch | None:
+    def schedule(self, steps: int = 1) -> Batch | None:
+        """The next forward: a prefill, or else a decode window of up to `steps` steps (Batch.steps)
+        for which every running sequence's blocks are reserved now; a window the free blocks
+        cannot hold shrinks to one step before anything is evicted."""
         batch = self._prefill()
         if batch.seqs:
             return batch
-        # decode: each running sequence writes the K/V of its last sampled token
-        while self.running and self.blocks.num_free < sum(
-                self.blocks.needed(s.block_table, s.num_cached, s.num_cached + 1) for s in self.running):
+        # decode: step j writes the K/V of each running sequence's token at num_cached + j, up to
+        # the second-to-last token its turn may sample (the last one is never written in its turn)
+        def reach(s, n):
+            return min(s.num_cached + n, s.turn_start + s.budget - 1)
+
+        def needed(n):
+            return sum(self.blocks.needed(s.block_table, s.num_cached, reach(s, n)) for s in self.running)
+
+        if steps > 1 and self.blocks.num_free < needed(steps):
+            steps = 1
+        while self.running and self.blocks.num_free < needed(1):
             self._evict_latest(keep=())
         if not self.running:  # nothing to decode (or everything was evicted): prefill instead
             batch = self._prefill()
             return batch if batch.seqs else None
         for s in self.running:
-            self.blocks.grow(s.block_table, s.num_cached, s.num_cached + 1)
-        return Batch("decode", list(self.running))
+            self.blocks.grow(s.block_table, s.num_cached, reach(s, steps))
+        return Batch("decode", list(self.running), steps=steps)
 
     def _prefill(self) -> Batch:
         batch = Batch("prefill", [])

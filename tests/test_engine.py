@@ -322,3 +322,66 @@ def test_budget_below_one_sequence_is_a_clear_error(tok_model):
     tok, model = tok_model
     with pytest.raises(ValueError, match="kv_budget_tokens=100 cannot hold one sequence of 124 tokens"):
         generate(model, [tok.encode("x" * 100)], scfg(max_new_tokens=24, kv_budget_tokens=100), STOPS, tok, seed=0)
+
+
+# -----------------------------------------------------------------------------
+# decode windows: tokens read back every few steps, turn ends found on the device
+
+
+@pytest.fixture
+def biased(tok_model):
+    """The model with its logits pushed towards stop-string pieces, EOS and '>' (no logits hook,
+    which would make every window one step): turns end on stop strings and EOS at random steps,
+    and candidate tokens that end nothing ('>' alone) stop rows on the device by mistake."""
+    tok, model = tok_model
+    bias = torch.zeros(model.config.vocab_size)
+    for text in ["</sql>", "</solution>", "<sql>SELECT count(*) FROM pet", ">", "<|im_end|>"]:
+        bias[tok.encode(text)] += 3.0
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: out + bias.to(out.dtype))
+    yield tok, model
+    handle.remove()
+
+
+@pytest.mark.parametrize("window", [8, 3])
+def test_decode_windows_match_reference(biased, window):
+    tok, model = biased
+    prompts = [tok.encode(t) for t in ["How many singers?", "SELECT name FROM", "x", "Zürich café <think>"]] * 2
+    cfg = scfg(max_new_tokens=30, decode_steps_per_sync=window)
+    stopper = StopChecker(tok, STOPS, eos_ids(tok), model.config.vocab_size)
+    got = generate(model, prompts, cfg, STOPS, tok, seed=11)
+    false_alarms = 0
+    candidates = stopper.candidates(model.config.vocab_size)
+    for i, (p, g) in enumerate(zip(prompts, got)):
+        ids = list(p)
+        lps, why = ref_turn(model, ids, row_key(11, i), i, 1, cfg, stopper, False, None)
+        assert g.ids == ids and g.stop_reason == why
+        assert torch.allclose(torch.tensor(g.logprobs[len(p):]), torch.tensor(lps), atol=1e-5, rtol=0)
+        false_alarms += int(candidates[g.ids[len(p):-1]].sum())
+    assert {"stop", "eos", "length"} <= {g.stop_reason for g in got}, [g.stop_reason for g in got]
+    assert false_alarms > 0  # rows the device stopped on a token that ended nothing decoded on
+
+
+def test_rollout_with_decode_windows_matches_reference(biased, db, engines):
+    """Multi-turn, a KV budget that evicts, windows of 4: the same episodes as the reference."""
+    tok, model = biased
+    ecfg = EnvConfig(max_turns=3, workers=1)
+    prompt_len = len(render_prompt(tok, examples()[1], DATA, "tags", str(db)))
+    cfg = scfg(max_new_tokens=16, max_context=prompt_len + 120, kv_budget_tokens=400, decode_steps_per_sync=4)
+    got = rollout(model, tok, examples(), ecfg, cfg, DATA, str(db), n=3, seed=4)
+    want = ref_rollout(model, tok, examples(), ecfg, cfg, db, n=3, seed=4, greedy=False)
+    assert_same(got, want)
+    assert max(w["turns"] for w in want) >= 2 and engines[0].evictions > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="decode windows replayed from CUDA graphs need a CUDA GPU (bench/gpu.sh runs the suite on one)")
+def test_decode_windows_with_cuda_graphs_match_eager_on_cuda(tok_model):
+    import copy
+    tok, model = tok_model
+    gpu = copy.deepcopy(model).cuda()
+    prompts = [tok.encode(t) for t in ["How many singers?", "SELECT name FROM", "x"]] * 3
+    eager = generate(gpu, prompts, scfg(max_new_tokens=40), STOPS, tok, seed=2)
+    graphs = generate(gpu, prompts, scfg(max_new_tokens=40, cuda_graphs=True), STOPS, tok, seed=2)
+    assert [t.ids for t in graphs] == [t.ids for t in eager]
+    for a, b in zip(graphs, eager):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)

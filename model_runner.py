@@ -1,0 +1,264 @@
+"""The sampler's model runner: a forward's inputs and attention metadata, the forward, the samples.
+
+engine.py decides what runs (scheduler.py) and what the samples mean for each sequence; this file
+turns that into tensors and back. Two kinds of work:
+
+    runner = ModelRunner(model, cache, sampling_cfg, candidates, greedy, logits_hook)
+    rows, sampled = runner.prefill(batch)      # chunks of queued sequences; rows now fully cached
+                                               # sample their first token: sampled [(token, logp)]
+    window = runner.decode(seqs, steps)        # `steps` decode steps of the running sequences,
+                                               # read back once: window.tokens[b][:window.new[b]]
+
+Decode keeps the host off the per-token path. Every running row's state lives on the device
+(DecodeRows: last token, position, sampling key, block table, tokens left in its turn). A decode
+window runs `steps` forwards back to back: slots come from the block tables and positions on the
+device, the sampled tokens feed the next step where they are, and a row stops (stays frozen: no
+new state, K/V written to the scratch block) once it samples a token that may end its turn (EOS,
+or one that can complete a stop string: StopChecker.candidates) or uses up its turn's budget.
+The sampled tokens and logprobs reach the host once per window, as (B, steps) tensors; the host
+then re-checks only the rows that stopped. Block tables change only between windows (the
+scheduler reserves each row's blocks for the whole window first), so no host work per step
+grows with the batch.
+
+On CUDA with sampling.cuda_graphs the decode forward replays a graph per (batch, blocks) bucket
+(cuda_graphs.py). Tests: .venv/bin/pytest tests/test_engine.py tests/test_sampling.py
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model import PagedBatch, PagedKVCache
+from sampling import sample_next
+from scheduler import Batch, Sequence
+
+
+@dataclass
+class DecodeWindow:
+    """What one decode window sampled, on the host. Row b sampled tokens[b][:new[b]] (and their
+    logprobs); stopped[b]: it stopped on a possible turn end (the last of those tokens)."""
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    new: list[int]
+    stopped: list[bool]
+
+
+class ModelRunner:
+    def __init__(self, model, cache: PagedKVCache, cfg, candidates: torch.Tensor, *, greedy: bool = False,
+                 logits_hook=None, mirror: bool = False):
+        """cfg: config.SamplingConfig. candidates (V,) bool: tokens that may end a turn (EOS, stop
+        strings). logits_hook(logits (B, V), seqs) -> logits: tests and benchmarks."""
+        self.model, self.cache, self.cfg, self.greedy, self.hook = model, cache, cfg, greedy, logits_hook
+        self.device = cache.k.device
+        self.candidates = candidates.to(self.device)
+        self.rows = DecodeRows(self.device, cache.block_size, cache.scratch, mirror=mirror)
+        self.graphs = None
+        if cfg.cuda_graphs and self.device.type == "cuda":
+            from cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(model, cache, max_blocks=-(-cfg.max_context // cache.block_size))
+
+    def sample(self, logits, keys, positions, seqs):
+        """tokens (B,), logprobs (B,) for logits (B, V); positions: the sampled tokens' indices."""
+        if self.hook is not None:
+            logits = self.hook(logits, seqs)
+        c = self.cfg
+        return sample_next(logits, keys, positions, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                           greedy=self.greedy)
+
+    # -------------------------------------------------------------------------
+    # prefill: feed queued ids (a prompt, an observation, a recomputation) into the cache
+
+    def prefill(self, batch: Batch, share) -> tuple[list[Sequence], list[list[float]]]:
+        """Feed each sequence's next chunk of uncached ids; the ones now fully cached (and the
+        samples sharing their prompt: share(lead, follower) gives them its blocks) sample one
+        token each. Returns those rows and [token, logprob] per row (one host read)."""
+        bs, dev, scratch = self.cache.block_size, self.device, self.cache.scratch
+        T = max(batch.chunks)
+        ids, positions, slots, tables = [], [], [], []
+        for s, n in zip(batch.seqs, batch.chunks):
+            start = s.num_cached
+            ids.append(s.ids[start:start + n] + [0] * (T - n))
+            positions.append(list(range(start, start + T)))  # padding continues harmlessly
+            slots.append([s.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+                         + [scratch * bs] * (T - n))
+            tables.append(s.block_table)
+        fresh = all(s.num_cached == 0 for s in batch.seqs)
+        width = max(map(len, tables))
+        table = None if fresh else torch.tensor([t + [scratch] * (width - len(t)) for t in tables], device=dev)
+        cache = PagedBatch(self.cache, torch.tensor(slots, device=dev), table)
+        last = torch.tensor(batch.chunks, device=dev) - 1
+        logits = self.model(torch.tensor(ids, device=dev), positions=torch.tensor(positions, device=dev),
+                            cache=cache, logits_at=last)  # (B, V)
+        rows, sources = [], []
+        for i, (s, n) in enumerate(zip(batch.seqs, batch.chunks)):
+            s.num_cached += n
+            if s.num_cached < len(s.ids):
+                continue  # a long prompt's first chunks
+            for f in s.followers:  # samples of the same prompt: share its blocks and its logits
+                share(s, f)
+            rows += [s] + s.followers
+            sources += [i] * (1 + len(s.followers))
+            s.followers = []
+        if not rows:
+            return [], []
+        keys = torch.tensor([s.key for s in rows], device=dev)
+        positions = torch.tensor([len(s.ids) for s in rows], device=dev)  # index of the token to sample
+        tokens, logps = self.sample(logits[torch.tensor(sources, device=dev)], keys, positions, rows)
+        return rows, torch.stack([tokens.double(), logps.double()], 1).tolist()  # the host read
+
+    # -------------------------------------------------------------------------
+    # decode: `steps` tokens per running row, one host read
+
+    def decode(self, seqs: list[Sequence], steps: int) -> DecodeWindow:
+        """Run `steps` decode steps of seqs (their blocks already cover every token they write).
+        Each row's first input is its last sampled token (ids[-1], position num_cached)."""
+        rows, bs = self.rows, self.cache.block_size
+        rows.sync(seqs)
+        B = len(seqs)
+        # the most blocks any row attends over in this window: its last step's position
+        blocks = min((max(s.num_cached for s in seqs) + steps - 1) // bs + 1, rows.tables.shape[1])
+        scratch_slot = self.cache.scratch * bs
+        active = torch.ones(B, dtype=torch.bool, device=self.device)  # not stopped yet
+        new = torch.zeros(B, dtype=torch.long, device=self.device)
+        sampled_tokens, sampled_logps = [], []
+        for _ in range(steps):
+            # (B,) where each row's input token goes; a stopped row's position may lie past its table
+            index = (rows.positions // bs).clamp(max=rows.tables.shape[1] - 1)
+            slots = rows.tables.gather(1, index[:, None]).squeeze(1) * bs + rows.positions % bs
+            slots = torch.where(active, slots, scratch_slot)  # a stopped row writes nowhere that counts
+            logits = None
+            if self.graphs is not None:
+                logits = self.graphs.run(rows.tokens, rows.positions, slots, rows.tables, blocks)
+            if logits is None:
+                cache = PagedBatch(self.cache, slots[:, None], rows.tables[:, :blocks], rows.mirror(self.cache, blocks))
+                logits = self.model(rows.tokens[:, None], positions=rows.positions[:, None], cache=cache)[:, -1]
+            tokens, logps = self.sample(logits, rows.keys, rows.positions + 1, seqs)  # (B,), (B,)
+            sampled_tokens.append(tokens)
+            sampled_logps.append(logps)
+            step = active.long()  # (B,) 1 where the row took this step's token
+            new += step
+            stops = active & (self.candidates[tokens] | (rows.left <= 1))
+            rows.tokens = torch.where(active, tokens, rows.tokens)
+            rows.positions = rows.positions + step
+            rows.left = rows.left - step
+            active = active & ~stops
+        # one host read: (B, steps) tokens and logprobs, tokens kept per row, stopped per row
+        packed = torch.cat([torch.stack(sampled_tokens, 1).double(), torch.stack(sampled_logps, 1).double(),
+                            new[:, None].double(), (~active)[:, None].double()], 1).cpu()
+        return DecodeWindow(packed[:, :steps].long().tolist(), packed[:, steps:2 * steps].tolist(),
+                            packed[:, -2].long().tolist(), (packed[:, -1] > 0).tolist())
+
+
+# -----------------------------------------------------------------------------
+# device-side state of the decode batch
+
+
+class DecodeRows:
+    """The decode batch's inputs on the device, one row per running sequence, kept across windows.
+
+    tokens (B,): each row's last sampled token (the next input); positions (B,): its position
+    (= tokens cached before it); keys (B,): sampling keys; left (B,): tokens its turn may still
+    sample; tables (B, W): block tables padded with the scratch block. When the batch changes
+    (rows end, join or are evicted) the rows that stay are selected on the device; only joining
+    rows are built on the host. A row is identified by (sequence, epoch): a sequence that left and
+    came back is a new row. A staying row's table is re-sent only when its block list grew or
+    changed (scheduler: reserved for a window, or copied on write).
+
+    With mirror (CPU), the batch's K/V are also kept in one contiguous tensor per K and V,
+    (n_layers, B, Hk, W tokens, D), gathered from the blocks once the batch has stayed the same for
+    MIRROR_AFTER decode steps and then appended to by every step: a CPU decode step reads them as
+    they are instead of gathering every row's blocks again (on a CPU that gather costs as much as
+    the attention). Building it costs about two gathers, so a batch that changes every step
+    gathers instead.
+    """
+
+    MIRROR_AFTER = 2  # unchanged decode steps before the mirror is built
+
+    def __init__(self, device, block_size: int, scratch: int, mirror: bool = False):
+        self.device, self.block_size, self.scratch, self.mirrored = device, block_size, scratch, mirror
+        self.ids: list[tuple[Sequence, int]] = []
+        self.sent: list[list[int]] = []  # the block table each row's device table holds
+        long = dict(dtype=torch.long, device=device)
+        self.tokens, self.positions, self.keys, self.left = (torch.zeros(0, **long) for _ in range(4))
+        self.tables = torch.full((0, 1), scratch, **long)
+        self.mirror_kv = None  # (k, v): (n_layers, B, Hk, W, D), valid for self.ids
+        self.unchanged = 0  # decode steps since the batch last changed
+
+    def sync(self, seqs: list[Sequence]) -> None:
+        """Make the device rows those of seqs, in order; tables of staying rows brought up to date."""
+        ids = [(s, s.epoch) for s in seqs]
+        if ids == self.ids:
+            changed = [i for i, s in enumerate(seqs) if s.block_table != self.sent[i]]
+            if changed:  # grown (a reserved window) or a block copied on write
+                self.fit_tables(max(len(seqs[i].block_table) for i in changed))
+                self._send_tables(changed, seqs)
+            return
+        old = {r: i for i, r in enumerate(self.ids)}
+        kept = [(i, old[r]) for i, r in enumerate(ids) if r in old]
+        joining = [i for i, r in enumerate(ids) if r not in old]
+        width = max(self.tables.shape[1], max(len(s.block_table) for s in seqs))
+        long = dict(dtype=torch.long, device=self.device)
+        B = len(seqs)
+        tokens, positions, keys, left = (torch.zeros(B, **long) for _ in range(4))
+        tables = torch.full((B, width), self.scratch, **long)
+        if kept:
+            new, src = (torch.tensor(x, device=self.device) for x in zip(*kept))
+            tokens[new], positions[new], keys[new] = self.tokens[src], self.positions[src], self.keys[src]
+            left[new] = self.left[src]
+            tables[new, :self.tables.shape[1]] = self.tables[src]
+        if joining:
+            new = torch.tensor(joining, device=self.device)
+            js = [seqs[i] for i in joining]
+            host = torch.tensor([[s.ids[-1], s.num_cached, s.key, s.budget - (len(s.ids) - s.turn_start)]
+                                 for s in js], **long)
+            tokens[new], positions[new], keys[new], left[new] = host.unbind(1)
+        self.ids, self.tokens, self.positions, self.keys, self.left, self.tables = \
+            ids, tokens, positions, keys, left, tables
+        sent = [self.sent[old[r]] if r in old else None for r in ids]
+        self.sent = sent
+        self._send_tables([i for i, s in enumerate(seqs) if s.block_table != sent[i]], seqs)
+        self.mirror_kv, self.unchanged = None, 0
+
+    def _send_tables(self, rows: list[int], seqs: list[Sequence]) -> None:
+        if not rows:
+            return
+        W = self.tables.shape[1]
+        table = [seqs[i].block_table + [self.scratch] * (W - len(seqs[i].block_table)) for i in rows]
+        self.tables[torch.tensor(rows, device=self.device)] = torch.tensor(table, dtype=torch.long, device=self.device)
+        for i in rows:
+            self.sent[i] = list(seqs[i].block_table)
+
+    def fit_tables(self, width: int) -> None:
+        """Widen the tables (scratch-padded, at least doubling) to hold `width` blocks."""
+        if width > self.tables.shape[1]:
+            pad = torch.full((self.tables.shape[0], max(width, 2 * self.tables.shape[1]) - self.tables.shape[1]),
+                             self.scratch, dtype=torch.long, device=self.device)
+            self.tables = torch.cat([self.tables, pad], 1)
+
+    def mirror(self, cache: PagedKVCache, blocks: int):
+        """(k, v, rows) for PagedBatch.mirror, or None (no mirror, or a batch that changed in the
+        last MIRROR_AFTER steps: gather instead): gathered from the blocks, then as the last step
+        left it. It holds as many blocks as any row can reach in its turn (turn start + budget),
+        so it never grows while the batch is unchanged."""
+        self.unchanged += 1
+        if not self.mirrored or (self.mirror_kv is None and self.unchanged <= self.MIRROR_AFTER):
+            return None  # gather this step
+        L, _, bs, Hk, D = cache.k.shape
+        B = len(self.ids)
+        if self.mirror_kv is None or self.mirror_kv[0].shape[3] < blocks * bs:
+            width = max(blocks, max(-(-(s.turn_start + s.budget) // bs) for s, _ in self.ids))
+            table = torch.full((B, width), self.scratch, dtype=torch.long, device=self.device)
+            w = min(width, self.tables.shape[1])
+            table[:, :w] = self.tables[:, :w]
+            table = table.reshape(-1)
+            self.mirror_kv = tuple(torch.empty(L, B, Hk, width * bs, D, dtype=cache.k.dtype, device=self.device)
+                                   for _ in range(2))  # (L, B, Hk, W, D): what SDPA reads fastest
+            for pool, mirror in zip((cache.k, cache.v), self.mirror_kv):
+                for layer in range(L):
+                    blocks_kv = pool[layer].index_select(0, table).view(B, width * bs, Hk, D)
+                    mirror[layer].copy_(blocks_kv.transpose(1, 2))
+        k, v = self.mirror_kv
+        W = k.shape[3]
+        rows = (torch.arange(B * Hk, device=self.device).view(B, Hk) * W + self.positions[:, None]).reshape(-1)
+        return k, v, rows  # rows: the new token's (row, head) rows of k[layer].view(-1, D)
