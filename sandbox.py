@@ -378,7 +378,10 @@ def get_pool(workers: int = 0) -> SqlPool:
             _POOL.close()
             _POOL = None
         if _POOL is None:
-            _POOL = SqlPool(n)
+            # booted before any query's deadline starts: a query's outcome must not depend on how
+            # long the OS took to start the workers (a resumed run starts its pool at its first
+            # tool call, the straight run during its warm start; under load a boot takes seconds)
+            _POOL = SqlPool(n).wait_ready()
         return _POOL
 
 
@@ -398,5 +401,6 @@ def run_sql_batch(jobs, *, timeout_s: float = 5.0, max_rows: int = 10000, worker
 def run_sql(db_path, sql: str, *, timeout_s: float = 5.0, max_rows: int = 10000) -> SqlResult:
     """One sandboxed query. Goes through the pool (~0.15 ms) rather than in-process, because only a
     process kill stops a single long opcode; use run_sql_local where that risk is acceptable.
-    The deadline counts from the call (time spent waiting for a booting worker included)."""
+    The deadline counts from the call (a new pool has booted first; time spent waiting for a
+    worker replaced after a kill counts)."""
     return run_sql_batch([(db_path, sql)], timeout_s=timeout_s, max_rows=max_rows)[0]

@@ -432,3 +432,17 @@ def test_step_batch_actions(tiny_db):
     assert rec["kind"] == "query" and rec["ok"] and len(rec["rows"]) == 60
     assert env.table_names_text(tiny_db) == "Tables: bad, singer"
     assert env.STOP_STRINGS["actions"] == ["</action>"] and env.STOP_STRINGS["tags"] == ["</sql>", "</solution>"]
+
+
+def test_a_fresh_pool_boots_before_the_first_deadline_starts(tiny_db):
+    """A new process's first query must not spend its deadline waiting for the worker processes to
+    boot: a resumed run starts a fresh pool at its first tool call, the straight run had booted its
+    pool during the warm start, and under load a boot can take seconds — the same query would time
+    out in one run and not in the other (resume would no longer be exact)."""
+    sandbox.shutdown_pool()
+    # ~4 ms of work under a 0.1 s deadline; a boot alone takes ~0.08 s on an idle 2-core machine
+    # (seconds under load), which used to count against it
+    count = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 20000) SELECT count(*) FROM c"
+    r = env.run_sql(tiny_db, count, timeout_s=0.1)
+    assert r.ok and r.rows == [(20000,)], r
+    assert all(w.ready for w in sandbox.get_pool().workers)
