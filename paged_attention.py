@@ -11,10 +11,10 @@ decode step (one token per row) reads them one of two ways, chosen by `PagedKVCa
   a contiguous mirror of the decode batch's K/V (model_runner.DecodeRows) and the step reads that.
 - flex: FlexAttention over the pool in place, nothing copied. A layer's pool is viewed as one
   sequence of (n_blocks + 1) * block_size tokens; a BlockMask lists each row's physical blocks
-  (its block table): every block but the last is full (no mask evaluated), the last one is
-  partial (offset <= position % block_size). On CUDA the query batch is padded to a bucket so
-  the batch size is static and inductor picks its flex-decoding kernel, which splits long rows
-  over KV (SPLIT_KV). Chunks of several tokens (prefill, observations) always gather.
+  (its block table) and a mask cuts its last block at the row's position. On CUDA the query
+  batch is padded to a bucket so the batch size is static and inductor picks its flex-decoding
+  kernel, which splits rows over KV (SPLIT_KV) when the batch alone does not fill the GPU.
+  Chunks of several tokens (prefill, observations) always gather.
 
     cache = PagedKVCache.for_model(model, n_blocks, block_size, dtype, attention="auto")
     plan = prepare(PagedBatch(cache, slots, block_tables), positions)   # once per forward
@@ -211,9 +211,12 @@ def flex_block_mask(cache: PagedKVCache, tables: torch.Tensor, positions: torch.
     positions[b], tables (B, NB) its blocks) reads its first positions[b] // bs blocks whole and its
     last block up to offset positions[b] % bs.
 
-    KV index j of the mask is the pool's token j (block j // bs). CUDA: rows padded to a bucket
-    (padding rows read no block). CPU: inductor's CPU kernel wants the index tensors as wide as the
-    pool (tests only; no padding of rows there: it compiles with a dynamic batch)."""
+    KV index j of the mask is the pool's token j (block j // bs). Every block is listed as partial
+    (the mask is evaluated on it): given full blocks, inductor's flex-decoding kernel sizes its KV
+    splits by the whole pool's length, so no row would be split; partial blocks are split by each
+    row's own length. CUDA: rows padded to a bucket (padding rows read no block). CPU: inductor's
+    CPU kernel wants the index tensor as wide as the pool (tests only; no padding of rows there:
+    it compiles with a dynamic batch)."""
     from torch.nn.attention.flex_attention import BlockMask
     B, NB = tables.shape
     bs, dev = cache.block_size, tables.device
@@ -221,23 +224,20 @@ def flex_block_mask(cache: PagedKVCache, tables: torch.Tensor, positions: torch.
     rows = max(BATCH_FLOOR, 1 << (B - 1).bit_length()) if cuda else B
     width = NB if cuda else cache.scratch + 1
     n = (positions // bs + 1).clamp(max=NB)  # (B,) blocks row b reads
-    i32 = dict(dtype=torch.int32, device=dev)
-    full_n, part_n = torch.zeros(rows, 1, 1, **i32), torch.zeros(rows, 1, 1, **i32)
-    full_n[:B, 0, 0] = (n - 1).to(torch.int32)
-    part_n[:B] = 1
-    full_i, part_i = torch.zeros(rows, 1, 1, width, **i32), torch.zeros(rows, 1, 1, width, **i32)
-    full_i[:B, 0, 0, :NB] = tables.to(torch.int32)
-    last = torch.full((rows,), cache.scratch, dtype=torch.long, device=dev)
+    counts = torch.zeros(rows, 1, 1, dtype=torch.int32, device=dev)
+    counts[:B, 0, 0] = n.to(torch.int32)
+    indices = torch.zeros(rows, 1, 1, width, dtype=torch.int32, device=dev)
+    indices[:B, 0, 0, :NB] = tables.to(torch.int32)
+    last = torch.full((rows,), cache.scratch, dtype=torch.long, device=dev)  # (rows,) each row's last block
     last[:B] = tables.gather(1, (n - 1)[:, None])[:, 0]
-    part_i[:, 0, 0, 0] = last.to(torch.int32)
-    off = torch.zeros(rows, dtype=torch.long, device=dev)
+    off = torch.zeros(rows, dtype=torch.long, device=dev)  # (rows,) the new token's offset in it
     off[:B] = positions % bs
 
-    def mask_mod(b, h, q_idx, kv_idx):  # exact on every block, full ones too (the kernel skips those)
+    def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx // bs != last[b]) | (kv_idx % bs <= off[b])
 
     tokens = (cache.scratch + 1) * bs
-    return BlockMask.from_kv_blocks(part_n, part_i, full_n, full_i, BLOCK_SIZE=(128, bs), mask_mod=mask_mod,
+    return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=(128, bs), mask_mod=mask_mod,
                                     seq_lengths=(q_len, tokens), compute_q_blocks=False)
 
 
