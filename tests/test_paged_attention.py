@@ -192,3 +192,20 @@ def test_flex_equals_gather_on_cuda(dtype, tol):
     args = [t.to(dev) for t in (table, positions, slots)] + [t.to(dev, dtype) for t in (q, k, v)]
     gather, flex = run("gather", cache, *args), run("flex", cache, *args)
     assert (flex.float() - gather.float()).abs().max() <= tol
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's CUDA kernels need a GPU (bench/gpu.sh)")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_seeded_turns_on_cuda_sample_the_same_tokens_with_flex_and_gather(tok_model, graphs):
+    """The engine on CUDA (fp32): flex in place, eager or replayed from CUDA graphs, against gather."""
+    import copy
+    tok, model = tok_model
+    gpu = copy.deepcopy(model).cuda()
+    prompts = [tok.encode(t) for t in ["How many singers?", "SELECT name FROM", "x", "Zürich café <think>" * 4]] * 3
+    cfg = SamplingConfig(temperature=0.9, top_p=0.95, max_new_tokens=40, max_context=1024, cuda_graphs=graphs)
+    stops = ["</sql>", "</solution>"]
+    gather = generate(gpu, prompts, replace(cfg, paged_attention="gather"), stops, tok, seed=2)
+    flex = generate(gpu, prompts, replace(cfg, paged_attention="flex"), stops, tok, seed=2)
+    assert [t.ids for t in flex] == [t.ids for t in gather]
+    for a, b in zip(flex, gather):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
