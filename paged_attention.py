@@ -204,6 +204,7 @@ def sdpa(q, k, v, mask):
 
 _FLEX = {}  # device type -> compiled decode function
 BATCH_FLOOR = 16  # CUDA: the query batch is padded to a power of two >= this (a few static shapes)
+RECOMPILE_LIMIT = 32  # dynamo's per-function compile cache, raised once flex decode is first used
 
 
 def flex_block_mask(cache: PagedKVCache, tables: torch.Tensor, positions: torch.Tensor, q_len: int):
@@ -264,6 +265,10 @@ def flex_decode(q, k_pool, v_pool, block_mask, block_size: int) -> torch.Tensor:
     kind = q.device.type
     if kind not in _FLEX:
         _FLEX[kind] = torch.compile(_decode, dynamic=True)
+        # one compile per (batch bucket, dtype) on CUDA: past dynamo's recompile limit (8) a call would
+        # run flex eagerly, which materialises the scores over the whole pool
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
     torch._dynamo.mark_static(qf, 2)  # G: a dynamic G equal to the batch size broke inductor's C++ kernel
     options = None
     if kind == "cuda":
