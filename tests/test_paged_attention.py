@@ -8,6 +8,7 @@ that share their prefix blocks. Then whole sampled turns through the engine with
 
     .venv/bin/pytest tests/test_paged_attention.py -q
 """
+import sqlite3
 import warnings
 from dataclasses import replace
 
@@ -16,9 +17,9 @@ import torch
 
 import paged_attention as pa
 import tiny
-from config import SamplingConfig
+from config import DataConfig, EnvConfig, SamplingConfig
 from engine import Engine
-from rollout import generate
+from rollout import generate, rollout
 from sampling import StopChecker
 
 torch.set_num_threads(2)
@@ -170,6 +171,47 @@ def test_seeded_turns_sample_the_same_tokens_with_flex_and_gather(tok_model):
     assert [t.ids for t in flex] == [t.ids for t in gather]
     assert max(len(t.ids) - len(p) for t, p in zip(gather, prompts)) > 2 * BS  # rows span several blocks
     for a, b in zip(flex, gather):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=TOL, rtol=0)
+
+
+class ToolCall:
+    """A logits hook: each row's first turn writes 3 sampled tokens, then a tool call (forced)."""
+
+    def __init__(self, tok):
+        self.call = tok.encode(" <sql>SELECT count(*) FROM pet</sql>")
+
+    def __call__(self, logits, rows):
+        logits = logits.clone()
+        for b, r in enumerate(rows):
+            j = len(r.ids) - r.turn_start - 3
+            if r.num_turns == 1 and 0 <= j < len(self.call):
+                logits[b] = float("-inf")
+                logits[b, self.call[j]] = 0.0
+        return logits
+
+
+def test_seeded_multi_turn_rollout_is_the_same_with_flex_and_gather(tok_model, tmp_path):
+    """Two samples per question share their prompt's blocks (copied on write), observations are
+    prefilled into rows that have cached tokens (those chunks gather), the next turns decode
+    through flex: the same episodes as with gather everywhere."""
+    tok, model = tok_model
+    con = sqlite3.connect(tmp_path / "pets.sqlite")
+    con.execute("CREATE TABLE pet (id INTEGER PRIMARY KEY, name TEXT, age INT)")
+    con.executemany("INSERT INTO pet VALUES (?, ?, ?)", [(i, f"pet{i}", i % 7) for i in range(40)])
+    con.commit()
+    con.close()
+    exs = [{"id": f"q{i}", "source": "toy", "db_id": "pets", "db_path": "pets.sqlite", "question": q,
+            "evidence": "", "gold_sql": "SELECT count(*) FROM pet"}
+           for i, q in enumerate(["How many pets are there?", "What is the name of the oldest pet?"])]
+    ecfg, data = EnvConfig(max_turns=2, workers=1), DataConfig(prompt_template="compact")
+    cfg = SamplingConfig(temperature=0.9, top_p=0.95, max_new_tokens=24, max_context=1024)
+    runs = {path: rollout(model, tok, exs, ecfg, replace(cfg, paged_attention=path), data, str(tmp_path), n=2,
+                          seed=5, logits_hook=ToolCall(tok))
+            for path in ("gather", "flex")}
+    assert [t.ids for t in runs["flex"]] == [t.ids for t in runs["gather"]]
+    assert all(t.num_tool_calls == 1 and t.num_turns == 2 for t in runs["gather"])
+    for a, b in zip(runs["flex"], runs["gather"]):
+        assert a.loss_mask == b.loss_mask
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=TOL, rtol=0)
 
 
