@@ -103,7 +103,8 @@ class Plan:
     batch: PagedBatch
     positions: torch.Tensor  # (B, T) long
     slots: torch.Tensor  # (B T,) long
-    mask: torch.Tensor | None = None  # gather: (B, 1, T, S) bool, query t of row b sees slot j iff j <= its position
+    # gather: (B, 1, T, S) bool, query t of row b sees slot j iff j <= its position
+    mask: torch.Tensor | None = None
     flex: bool = False  # a decode step read in place
     block_mask: object = None  # flex: the BlockMask over the pool's blocks, built by the first layer
 
@@ -268,7 +269,8 @@ def flex_decode(q, k_pool, v_pool, block_mask, block_size: int) -> torch.Tensor:
         # one compile per (batch bucket, dtype) on CUDA: past dynamo's recompile limit (8) a call would
         # run flex eagerly, which materialises the scores over the whole pool
         cfg = torch._dynamo.config
-        cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+        if hasattr(cfg, "recompile_limit"):
+            cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
     torch._dynamo.mark_static(qf, 2)  # G: a dynamic G equal to the batch size broke inductor's C++ kernel
     options = None
     if kind == "cuda":
