@@ -1,6 +1,6 @@
 """Which blocks of the paged KV cache each sequence holds (bookkeeping only; no tensors).
 
-The KV cache (model.PagedKVCache) is one pool of fixed-size blocks per rank. A sequence's block
+The KV cache (paged_attention.PagedKVCache) is one pool of fixed-size blocks per rank. A sequence's block
 table lists the blocks holding its tokens in order: token p lives in block table[p // block_size]
 at offset p % block_size. Blocks are taken as a sequence grows and given back when it ends or is
 evicted. The G samples of a prompt share the prompt's blocks (reference counts): a shared block

@@ -121,6 +121,9 @@ class SamplingConfig:
     block_size: int = 16  # tokens per KV cache block (the unit of paging and prompt sharing)
     max_rows: int = 0  # most sequences decoding at once; 0 = as many as the KV budget holds
     cuda_graphs: bool = False  # CUDA: replay the decode forward from captured graphs (ignored on CPU)
+    # how a decode step reads the paged KV cache (paged_attention.py): flex = FlexAttention over the
+    # blocks in place, gather = copy each row's blocks out then SDPA (the reference); auto = flex on CUDA
+    paged_attention: str = choice("auto", "auto", "gather", "flex")
     # decode steps run on the device between two host reads of the sampled tokens (1 = every step);
     # a row that ends its turn inside a window idles for the rest of it
     decode_steps_per_sync: int = 8

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from block_manager import BlockManager
-from model import PagedKVCache
+from paged_attention import PagedKVCache
 from model_runner import DecodeRows, ModelRunner  # noqa: F401  (DecodeRows: re-exported for tests)
 from sampling import StopChecker
 from scheduler import Scheduler, Sequence
@@ -51,11 +51,12 @@ class Engine:
         if cfg.decode_steps_per_sync < 1:
             raise ValueError(f"sampling.decode_steps_per_sync={cfg.decode_steps_per_sync} must be >= 1")
         n_blocks = max(1, min(-(-cfg.kv_budget_tokens // bs), sum(-(-w // bs) for w in worst_case)))
-        self.cache = PagedKVCache.for_model(model, n_blocks, bs, dtype or weight.dtype)
+        self.cache = PagedKVCache.for_model(model, n_blocks, bs, dtype or weight.dtype, cfg.paged_attention)
         self.blocks = BlockManager(n_blocks, bs)
         self.scheduler = Scheduler(self.blocks, cfg.max_rows, PREFILL_TOKENS)
+        mirror = self.device.type == "cpu" and self.MIRROR_ON_CPU and self.cache.attention == "gather"
         self.runner = ModelRunner(model, self.cache, cfg, stopper.candidates(model.config.vocab_size), greedy=greedy,
-                                  logits_hook=logits_hook, mirror=self.device.type == "cpu" and self.MIRROR_ON_CPU)
+                                  logits_hook=logits_hook, mirror=mirror)
         self.window = 1 if logits_hook is not None else cfg.decode_steps_per_sync
         # what a benchmark reads: steps, and per decode step the live rows and the blocks in use
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "live_rows": 0, "blocks_used": 0, "tokens_live": 0}

@@ -1,7 +1,7 @@
 """Decoder-only transformer (Qwen2/Qwen2.5, Qwen3, Llama) in plain PyTorch, loaded from HF folders.
 
 RMSNorm, RoPE (default or "llama3" scaling), GQA attention via scaled_dot_product_attention
-(the sampler's over a paged KV cache: PagedKVCache, paged_attention), SwiGLU MLP. Loads a local
+(the sampler's over a paged KV cache: paged_attention.py), SwiGLU MLP. Loads a local
 Hugging Face folder (config.json + model.safetensors or a sharded model.safetensors.index.json)
 on the meta device with `assign=True`, so a 7B model is never materialised twice, and saves
 folders that transformers loads with the same logits.
@@ -10,7 +10,7 @@ folders that transformers loads with the same logits.
     model = Transformer.from_pretrained("runs/tiny/model")
     logits = model(input_ids)                                  # (B, T) -> (B, T, V)
     logp, ent = model(ids, targets=tgt, temperature=0.6)       # (B, T), (B, T)
-    logits = model(ids, positions=pos, cache=PagedBatch(...))  # sampler: tokens into a paged KV cache
+    logits = model(ids, positions=pos, cache=PagedBatch(...))  # sampler: paged_attention.PagedBatch
 
 Internally q/k/v and gate/up are fused (one matmul each: markedly faster decode);
 the only difference from HF names is that fusion (`_to_hf` / `_from_hf`).
@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.checkpoint import checkpoint
+
+import paged_attention
 
 FAMILIES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
@@ -131,113 +133,6 @@ def rope_inv_freq(a: ModelArgs, device=None) -> torch.Tensor:
 
 
 # -----------------------------------------------------------------------------
-# paged KV cache (the sampler's; see block_manager.py for who holds which block)
-
-
-class PagedKVCache:
-    """K/V of every layer in fixed-size blocks shared by all of the sampler's sequences.
-
-    k, v: (n_layers, n_blocks + 1, block_size, n_kv_heads, head_dim). A sequence's block table
-    lists the blocks holding its tokens in order (token p: block table[p // block_size], offset
-    p % block_size). Block `scratch` (the last) is never handed out: padded tokens write there and
-    padded table entries point there. Zero-initialised: attention reads slots past a row's length
-    (masked out), so they must be finite. Tokens before heads: gathering a row's blocks is one copy
-    whose transpose is the (B, heads, S, head_dim) view attention reads.
-    """
-
-    def __init__(self, n_layers, n_blocks, block_size, n_kv_heads, head_dim, dtype, device):
-        shape = (n_layers, n_blocks + 1, block_size, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.block_size, self.scratch = block_size, n_blocks
-
-    @classmethod
-    def for_model(cls, model: "Transformer", n_blocks: int, block_size: int, dtype: torch.dtype) -> "PagedKVCache":
-        """dtype: the compute dtype (bf16 under mixed precision), not necessarily the parameters'."""
-        a = model.config
-        return cls(a.num_hidden_layers, n_blocks, block_size, a.num_key_value_heads, a.head_dim, dtype,
-                   model.embed_tokens.weight.device)
-
-    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Block dst[i] := block src[i] in every layer (copy on write of a shared block)."""
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
-
-
-@dataclass
-class PagedBatch:
-    """Where one forward's tokens go in a PagedKVCache and which blocks each row attends over."""
-    cache: PagedKVCache
-    slots: torch.Tensor  # (B, T) long: block * block_size + offset of each token (scratch for padding)
-    block_tables: torch.Tensor | None  # (B, NB) long: each row's blocks in order, scratch-padded
-    # None: no row has cached tokens, so attention is causal within the chunk (right padding is harmless)
-    mirror: tuple | None = None  # decode on CPU: (k, v, rows), see paged_attention
-
-
-def paged_attention(q, k, v, k_pool, v_pool, slots, table, mask, mirror=None):
-    """Write k/v into their slots, then attend over each row's blocks. -> (B, T, H, D)
-
-    q (B, T, H, D); k, v (B, T, Hk, D); k_pool, v_pool (n_blocks + 1, block_size, Hk, D) of one
-    layer; slots (B T,); table (B NB,) or None (fresh chunk); mask (B, 1, T, NB block_size): query
-    t of row b sees slot j iff j <= its position. Pure PyTorch: gather the blocks, then SDPA.
-    mirror (decode, T = 1): (k, v (B, Hk, W, D) of this layer, rows (B Hk,)): the decode batch's
-    K/V kept contiguous across steps by the engine; the new token is written there too (at flat
-    row rows[b Hk + h] of k.view(-1, D)) and attention reads it instead of gathering the blocks.
-    On a CPU the gather costs as much as the attention itself; on a GPU memory is what is short.
-    """
-    B, T, H, D = q.shape
-    Hk = k.shape[2]
-    if k_pool.dtype != q.dtype:  # cache in another dtype than the compute: attend in its dtype
-        q, k, v = q.to(k_pool.dtype), k.to(k_pool.dtype), v.to(k_pool.dtype)
-    # index_copy_ on a flat view: ~50x faster than index_put on CPU decode
-    k_pool.view(-1, Hk, D).index_copy_(0, slots, k.reshape(-1, Hk, D))
-    v_pool.view(-1, Hk, D).index_copy_(0, slots, v.reshape(-1, Hk, D))
-    if table is None:
-        return _attend(q, k.transpose(1, 2), v.transpose(1, 2), None)
-    S = mask.shape[-1]
-    if mirror is not None:
-        mk, mv, rows = mirror
-        mk.view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
-        mv.view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
-        kc, vc = mk[:, :, :S], mv[:, :, :S]  # (B, Hk, S, D)
-    else:
-        kc = k_pool.index_select(0, table).view(B, S, Hk, D).transpose(1, 2)  # (B, Hk, S, D) strided view
-        vc = v_pool.index_select(0, table).view(B, S, Hk, D).transpose(1, 2)
-    return _attend(q, kc, vc, mask)
-
-
-def _attend(q, k, v, mask):
-    """SDPA of q (B, T, H, D) over k, v (B, Hk, S, D) -> (B, T, H, D), in a form fused kernels take.
-
-    mask (B, 1, T, S) bool, or None: causal. Decode (T = 1): the G = H / Hk query heads of each K/V
-    head are folded into the query axis, q (B, Hk, G, D) (a view: query head h = hk G + g reads
-    K/V head hk, as enable_gqa), and the mask broadcasts over them; every fused kernel (fp32 too)
-    takes that and reads each K/V head once. Otherwise enable_gqa: flash and cuDNN take it in
-    bf16/fp16; CUDA has no fused GQA kernel in fp32 (tests only), so K/V are repeated there.
-    """
-    B, T, H, D = q.shape
-    Hk = k.shape[1]
-    if T == 1 and mask is not None:
-        y = F.scaled_dot_product_attention(q.reshape(B, Hk, H // Hk, D), k, v, attn_mask=mask)
-        return y.reshape(B, 1, H, D)
-    gqa = Hk != H
-    if gqa and q.is_cuda and q.dtype == torch.float32:
-        k, v, gqa = k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1), False
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
-                                       enable_gqa=gqa)
-    return y.transpose(1, 2)
-
-
-def fused_attention_only(device: torch.device):
-    """On CUDA, SDPA may only use a fused kernel: a silent fallback to the math kernel (repeated K/V,
-    the whole score matrix in memory) becomes an error. CPU: no restriction."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
-
-
-# -----------------------------------------------------------------------------
 # layers
 
 
@@ -287,7 +182,7 @@ class Attention(nn.Module):
             else:  # a FlexAttention BlockMask (CUDA): fused, never a (T, T) score matrix
                 y = _flex_attention()(qt, kt, vt, block_mask=mask, enable_gqa=True)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
-        y = paged_attention(q, k, v, *kv)  # cached (sampler): kv = (k_pool, v_pool, slots, table, mask, mirror)
+        y = paged_attention.attend(q, k, v, *kv)  # cached (sampler): kv = (paged_attention.Plan, layer index)
         return self.o_proj(y.reshape(B, T, H * D).to(x.dtype))
 
 
@@ -361,7 +256,7 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, input_ids, positions=None, cache: PagedBatch | None = None, targets=None,
+    def forward(self, input_ids, positions=None, cache: paged_attention.PagedBatch | None = None, targets=None,
                 temperature: float = 1.0, logits_at=None, attn_mask=None, loss_index=None):
         """cache: the sampler's paged KV cache; positions (B, T) are then required.
         logits_at: (B,) long -> only the logits at position logits_at[b] of each row, (B, V)
@@ -375,18 +270,12 @@ class Transformer(nn.Module):
         A position may appear several times (a shared prompt's last token predicts G responses)."""
         B, T = input_ids.shape
         dev = input_ids.device
-        kv_ctx, attention = None, contextlib.nullcontext()
+        plan, attention = None, contextlib.nullcontext()
         if cache is not None:
             if positions is None:
                 raise ValueError("a forward with a KV cache needs the tokens' positions")
-            table, mask = None, None
-            if cache.block_tables is not None:
-                S = cache.block_tables.shape[1] * cache.cache.block_size
-                table = cache.block_tables.reshape(-1)
-                mask = (torch.arange(S, device=dev) <= positions[:, :, None])[:, None]  # (B, 1, T, S)
-            kv_ctx = (cache.slots.reshape(-1), table, mask)
-            attention = fused_attention_only(dev)
-            mirror = cache.mirror
+            plan = paged_attention.prepare(cache, positions)  # slots, masks: once for all layers
+            attention = paged_attention.fused_attention_only(dev)
         elif positions is None:
             positions = torch.arange(T, device=dev)[None, :]
         h = self.embed_tokens(input_ids)  # (B, T, C)
@@ -394,8 +283,7 @@ class Transformer(nn.Module):
         ckpt = self.activation_checkpointing and torch.is_grad_enabled() and cache is None
         with attention:
             for i, layer in enumerate(self.layers):
-                kv = None if kv_ctx is None else (cache.cache.k[i], cache.cache.v[i], *kv_ctx,
-                                                  None if mirror is None else (mirror[0][i], mirror[1][i], mirror[2]))
+                kv = None if plan is None else (plan, i)
                 if ckpt:
                     h = checkpoint(layer, h, cos, sin, kv, attn_mask, use_reentrant=False)
                 else:

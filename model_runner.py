@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model import PagedBatch, PagedKVCache
+from paged_attention import PagedBatch, PagedKVCache
 from sampling import sample_next
 from scheduler import Batch, Sequence
 

@@ -1,14 +1,17 @@
 """The engine's own cost per decode step: what the host adds on top of a forward that costs nothing.
 
-A near-free model (1 layer, hidden 32, vocab 512, random weights; its final norm scaled so the
-distributions are peaked like a trained model's: at temperature 0.6 the top-p 0.95 nucleus has a
-median of 4 tokens, 90% of rows under 100) decodes B rows of 16-token prompts for 128 new tokens
-each (no EOS, no stop strings, temperature 0.6, top-p 0.95) through
-engine.Engine, the path rollout.generate and rollout.rollout use. The decode step time is the
-time of the engine's decode work divided by the decode forwards it ran (prefill excluded). If the
-host's work per step did not grow with the batch, B=256 would cost about what B=16 costs; the
-ratio of the two is the headline. B=16 and B=256 alternate in one process (pairs), the ratio is
-the median over pairs.
+A near-free model (1 layer, hidden 32, 2 heads of 16, vocab 512, random N(0, 0.02) weights)
+decodes B rows of 16-token prompts for 128 new tokens each (no EOS, no stop strings, temperature
+1, no top-p: plain inverse-CDF sampling over the vocabulary) through engine.Engine, the path
+rollout.generate and rollout.rollout use. The decode step time is the time of the engine's decode
+work divided by the decode forwards it ran (prefill excluded). If the host's work per step did not
+grow with the batch, B=256 would cost about what B=16 costs; the ratio of the two is the headline.
+B=16 and B=256 alternate in one process (pairs), the ratio is the median over pairs.
+
+The model's decode forwards are timed apart (module hooks: on a CPU every op is synchronous), so
+the step splits into the forward (its attention, LM head: compute that grows with B even in a
+near-free model) and everything else (sampling's softmax and cumulative sum over the vocabulary,
+and the engine's host work); `outside_forward_ratio_b256_vs_b16` is the ratio of the latter.
 
 Second, top-p sampling alone at the 0.5B shape's vocabulary (151936) and B=256 on peaked logits
 (32 likely tokens per row: the nucleus closes inside the prefilter, as a trained model's
@@ -53,15 +56,32 @@ def near_free_model() -> Transformer:
     return model.eval()
 
 
+class ForwardClock:
+    """Seconds spent in the model's one-token (decode) forwards, via forward hooks."""
+
+    def __init__(self, model):
+        self.seconds, self.start = 0.0, None
+        model.register_forward_pre_hook(self.pre)
+        model.register_forward_hook(self.post)
+
+    def pre(self, module, args):
+        self.start = time.perf_counter() if args[0].shape[1] == 1 else None
+
+    def post(self, module, args, out):
+        if self.start is not None:
+            self.seconds += time.perf_counter() - self.start
+
+
 @torch.no_grad()
-def decode_ms(model, rows: int, new: int) -> float:
-    """Milliseconds per decode forward of `rows` rows, prefill excluded."""
+def decode_ms(model, rows: int, new: int, clock: ForwardClock | None = None) -> tuple[float, float]:
+    """(milliseconds per decode step of `rows` rows, prefill excluded; of which in the forward)."""
     cfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=new, max_context=PROMPT + new + 1,
                          kv_budget_tokens=rows * (PROMPT + new + 16))
     gen = torch.Generator().manual_seed(rows)
     prompts = torch.randint(0, VOCAB, (rows, PROMPT), generator=gen).tolist()
     seqs = [Sequence(list(p), key=row_key(0, i), index=i) for i, p in enumerate(prompts)]
     spent, decode_steps = 0.0, 0
+    in_forward = clock.seconds if clock else 0.0
     with Engine(model, cfg, StopChecker(None, [], []), worst_case=[PROMPT + new] * rows) as engine:
         engine.add(seqs)
         while engine.busy():
@@ -74,7 +94,8 @@ def decode_ms(model, rows: int, new: int) -> float:
                 spent += elapsed
                 decode_steps += engine.stats["decode_steps"] - decodes
     assert all(len(s.ids) == PROMPT + new for s in seqs), "every row samples `new` tokens"
-    return 1e3 * spent / decode_steps
+    forward = (clock.seconds - in_forward) if clock else 0.0
+    return 1e3 * spent / decode_steps, 1e3 * forward / decode_steps
 
 
 def sampling_ms(pairs: int, rows: int, vocab: int = 151936) -> tuple[float, float, float]:
@@ -117,19 +138,28 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = near_free_model()
+    clock = ForwardClock(model)
     decode_ms(model, 16, 16)  # warm-up
-    small, large, ratios = [], [], []
+    small, large, ratios, fwd, outside = [], [], [], {16: [], 256: []}, []
     for _ in range(args.pairs):
-        small.append(decode_ms(model, 16, args.new))
-        large.append(decode_ms(model, 256, args.new))
-        ratios.append(large[-1] / small[-1])
-        print(f"pair: b16 {small[-1]:.3f} ms  b256 {large[-1]:.3f} ms  ratio {ratios[-1]:.2f}", flush=True)
+        (s, fs), (b, fb) = decode_ms(model, 16, args.new, clock), decode_ms(model, 256, args.new, clock)
+        small.append(s)
+        large.append(b)
+        ratios.append(b / s)
+        fwd[16].append(fs)
+        fwd[256].append(fb)
+        outside.append((b - fb) / (s - fs))
+        print(f"pair: b16 {s:.3f} ms (forward {fs:.3f})  b256 {b:.3f} ms (forward {fb:.3f})  ratio {ratios[-1]:.2f}",
+              flush=True)
     sampled = sampling_ms(args.pairs, args.sample_rows)
     if sampled is not None:
         pre, full, speedup = sampled
         print(f"top_p_sample_ms_prefilter_b{args.sample_rows}_v151936: {pre:.1f}")
         print(f"top_p_sample_ms_full_sort_b{args.sample_rows}_v151936: {full:.1f}")
         print(f"top_p_sort_over_prefilter: {speedup:.1f}")
+    for rows, ms in fwd.items():
+        print(f"decode_forward_ms_b{rows}: {statistics.median(ms):.3f}")
+    print(f"outside_forward_ratio_b256_vs_b16: {statistics.median(outside):.2f}")
     print(f"decode_step_ms_b16: {statistics.median(small):.3f}")
     print(f"decode_step_ms_b256: {statistics.median(large):.3f}")
     print(f"decode_step_ratio_b256_vs_b16: {statistics.median(ratios):.2f}")

@@ -13,7 +13,9 @@
 # per phase against memory_estimate; (6b) the same with LoRA r=32 (lora_steps); (7) one 32k-token micro-batch of a Qwen2.5-7B-shaped model
 # with activation checkpointing; (8) the real update at the 7B shape: 32k-token packed rows with
 # shared prompts, FlexAttention block mask, FSDP2, loss_index, MFU per micro-batch and per step,
-# against a dense causal kernel on the same tokens (update_mfu; the blocks that fit in memory).
+# against a dense causal kernel on the same tokens (update_mfu; the blocks that fit in memory);
+# (9) decode attention over the paged KV cache, FlexAttention in place vs gather + SDPA, B=64/256,
+# 0.5B shape, graphs replayed: us per layer and % of the HBM roofline (paged_attention).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu}
@@ -23,7 +25,7 @@ export PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 
-PARTS=${PARTS:-tests attention sampler sampler_graphs rollout_scale train_step grpo_steps lora_steps long_microbatch update_mfu}
+PARTS=${PARTS:-tests attention paged_attention sampler sampler_graphs rollout_scale train_step grpo_steps lora_steps long_microbatch update_mfu}
 
 part() {  # part NAME SECONDS COMMAND...: run under a time limit, log to $OUT/NAME.txt, keep going
     local name=$1 limit=$2
@@ -48,6 +50,9 @@ part tests 140 $PY -m pytest -q -p no:cacheprovider $XDIST tests
 
 # (2) attention kernels
 part attention 150 $PY bench/attention_probe.py
+
+# (9) paged decode attention: flex (the sampler's default on CUDA) vs gather, before the sampler parts use it
+part paged_attention 200 $PY bench/paged_attention.py --device cuda --batches 64,256 --context 1024
 
 # (3) sampler vs transformers generate
 part sampler 200 $PY bench/sampler.py --device cuda --shape qwen2.5-0.5b --batches 64,256 --pairs 2

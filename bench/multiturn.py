@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tiny  # noqa: E402
 from config import SamplingConfig  # noqa: E402
 from engine import Engine  # noqa: E402
-from model import PagedBatch, PagedKVCache, Transformer  # noqa: E402
+from model import Transformer  # noqa: E402
+from paged_attention import PagedBatch, PagedKVCache  # noqa: E402
 from sampler import SHAPES  # noqa: E402  (bench/sampler.py: the script's folder is on sys.path)
 from sampling import StopChecker, row_key  # noqa: E402
 from scheduler import Sequence  # noqa: E402

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from block_manager import BlockManager
-from model import PagedBatch, PagedKVCache, Transformer
+from model import Transformer
+from paged_attention import PagedBatch, PagedKVCache
 
 V = 97
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

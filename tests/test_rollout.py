@@ -15,7 +15,8 @@ import tiny
 from conftest import ROOT
 from config import DataConfig, EnvConfig, SamplingConfig
 from block_manager import BlockManager
-from model import PagedBatch, PagedKVCache, Transformer
+from model import Transformer
+from paged_attention import PagedBatch, PagedKVCache
 from rollout import conversation_wrapper, generate, observation_ids, rollout
 from sampling import StopChecker, mix_py, row_key, sample_next, uniforms
 
