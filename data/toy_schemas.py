@@ -186,7 +186,7 @@ def encode_categories(rng: random.Random, fam: dict, rows: dict,
     with the code: the model copies it from the question, finds the row that starts with it in the
     lookup's observation and copies the digit from there (the same tokens in both places: after a
     line break and after the SQL quote the word has no leading space). Digits are drawn per
-    database, but a word is asked about in ~10 training databases, unevenly: the code training
+    database, but a word is asked about in ~8 training databases, unevenly: the code training
     golds use most for a word is the gold of ~30% of the training tool questions (seed 0: 471 of
     1536, prepare_toy.memoriser_right), reward a policy earns there without looking; `avoid` ({word: digits}, for the
     held-out databases: the digits training golds use most for that word) makes it never right.
