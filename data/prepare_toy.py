@@ -438,10 +438,27 @@ def check_golds(out: Path, records: list[dict]) -> Counter:
     return empty
 
 
+def memoriser_right(splits: dict) -> dict:
+    """{split: tool questions whose code is the one training golds use most for the word (prefix
+    included)}: what a policy that never looks earns. On train it is reward GRPO can get without
+    the tool (with env.max_turns 3 the warm start's two-lookup route earned less, and GRPO dropped
+    the tool); held-out databases avoid it (0)."""
+    def code(r):
+        return re.findall(r"'([^']*)'", r["gold_sql"])[0]
+    seen = defaultdict(Counter)  # word -> Counter(code) over the training golds
+    for r in splits["train"]:
+        if r["lookup_sql"]:
+            seen[CODE.fullmatch(code(r)).group(1)][code(r)] += 1
+    top = {w: c.most_common(1)[0][0] for w, c in seen.items()}
+    return {s: sum(top.get(CODE.fullmatch(code(r)).group(1)) == code(r) for r in recs if r["lookup_sql"])
+            for s, recs in splits.items()}
+
+
 def prepare_toy(out_dir, seed: int = 0, verbose: bool = False) -> dict:
     """Generate the toy set under out_dir. Returns {"train": n, "eval": n, "templates": {split:
     Counter}, "tool": {split: questions that need the tool}, "refine": {split: those whose first
-    lookup returns no rows}}."""
+    lookup returns no rows}, "memoriser": {split: tool questions a policy that never looks gets
+    right, memoriser_right}}."""
     out = Path(out_dir)
     splits = {"train": [], "eval": []}
     seen = defaultdict(Counter)  # word -> Counter(digit) over the training golds' codes
@@ -475,11 +492,14 @@ def prepare_toy(out_dir, seed: int = 0, verbose: bool = False) -> dict:
     stats["templates"] = {s: Counter(r["template"] for r in recs) for s, recs in splits.items()}
     stats["tool"] = {s: sum(bool(r["lookup_sql"]) for r in recs) for s, recs in splits.items()}
     stats["refine"] = {s: sum(bool(r["first_lookup_sql"]) for r in recs) for s, recs in splits.items()}
+    stats["memoriser"] = memoriser_right(splits)
     if verbose:
         print(f"toy set (seed {seed}) -> {out}: {len(FAMILIES) * DBS_PER_FAMILY} databases, "
               f"train {stats['train']} ({stats['tool']['train']} need the tool, {stats['refine']['train']} "
               f"a second lookup), eval {stats['eval']} ({stats['tool']['eval']} need the tool, "
               f"{stats['refine']['eval']} a second lookup)")
+        print(f"  a memoriser (never looks, writes the word's most-seen training code) is right on "
+              f"{stats['memoriser']['train']} of the train tool questions, {stats['memoriser']['eval']} held-out")
         print(f"  {'template':20s} {'train':>6s} {'eval':>6s}")
         for t in TEMPLATES:
             print(f"  {t:20s} {stats['templates']['train'][t]:6d} {stats['templates']['eval'][t]:6d}"

@@ -163,6 +163,10 @@ def test_tool_questions_need_the_lookup(toy):
     word_of = lambda c: CODE.fullmatch(c).group(1)  # noqa: E731
     hits = sum(word_of(c) in memo and memo[word_of(c)].most_common(1)[0][0] == c for c in ev)
     assert hits == 0 and len(ev) >= 150, (hits, len(ev))  # held-out codes avoid the most-seen digit
+    # the stat prepare_toy prints: the same memoriser, counted on both splits
+    tr = [re.findall(r"'([^']*)'", r["gold_sql"])[0] for r in tool if not is_eval(r["db_id"])]
+    train_hits = sum(memo[word_of(c)].most_common(1)[0][0] == c for c in tr)
+    assert stats["memoriser"] == {"train": train_hits, "eval": 0}, (stats["memoriser"], train_hits)
 
 
 def test_gold_trajectories_follow_the_format_and_score_one(toy):
