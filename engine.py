@@ -53,7 +53,7 @@ class Engine:
         n_blocks = max(1, min(-(-cfg.kv_budget_tokens // bs), sum(-(-w // bs) for w in worst_case)))
         self.cache = PagedKVCache.for_model(model, n_blocks, bs, dtype or weight.dtype)
         self.blocks = BlockManager(n_blocks, bs)
-        self.scheduler = Scheduler(self.blocks, cfg.max_rows, PREFILL_TOKENS)
+        self.scheduler = Scheduler(self.blocks, cfg.max_decode_rows, PREFILL_TOKENS)
         self.runner = ModelRunner(model, self.cache, cfg, stopper.candidates(model.config.vocab_size), greedy=greedy,
                                   logits_hook=logits_hook, mirror=self.device.type == "cpu" and self.MIRROR_ON_CPU)
         self.window = 1 if logits_hook is not None else cfg.decode_steps_per_sync

@@ -45,6 +45,16 @@ def test_unknown_key_names_closest(key, hint):
     assert key in str(e.value) and hint in str(e.value)
 
 
+@pytest.mark.parametrize("old,new", sorted(C.RENAMED.items()))
+def test_renamed_key_names_the_new_key(old, new, tmp_path):
+    """An old config key fails on the CLI and in a YAML file, and the message names its new key."""
+    assert new in C.all_keys()
+    group, name = old.split(".")
+    for args in ([f"--{old}=7"], [write(tmp_path, f"{group}:\n  {name}: 7\n")]):
+        with pytest.raises(C.ConfigError, match=f"{old}' was renamed {new}"):
+            C.load_config(args)
+
+
 def test_unknown_key_in_yaml_and_bad_choice(tmp_path):
     with pytest.raises(C.ConfigError, match="grpo.clip_hihg.*grpo.clip_high"):
         C.load_config([write(tmp_path, "grpo:\n  clip_hihg: 0.2\n")])
