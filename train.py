@@ -183,7 +183,7 @@ def training_mode(model, training: bool):
         model.train(was_training)
 
 
-def score(model, mbs, temperature: float, device) -> dict[int, torch.Tensor]:
+def logprobs_of(model, mbs, temperature: float, device) -> dict[int, torch.Tensor]:
     """No-grad logprobs of every sequence's loss tokens: {sequence index: (n_loss_tokens,)}.
     Stored per sequence, so any later packing (mini-batches, epochs) can look them up.
     Eval mode (no dropout): old logprobs are the behaviour policy's, the one that sampled the
@@ -201,12 +201,27 @@ def score(model, mbs, temperature: float, device) -> dict[int, torch.Tensor]:
     return out
 
 
+def loss_layout(lp_flat, ent_flat, counts, members, old, ref, rollout_lp):
+    """The packed forward's flat loss tokens -> the loss's (members, longest) per-sequence layout,
+    padding masked out. lp_flat, ent_flat: (N,) loss tokens of a micro-batch, counts[k] of them
+    for members[k]; old / ref / rollout_lp: {sequence index: (n_loss_tokens,)} (old None: one update
+    per batch, so old = the current logprobs detached; ref None: no KL term). rollout_lp, the
+    sampler's logprobs, feeds the rollout/trainer mismatch metrics and grpo.rollout_is.
+    Returns lp, ent, mask, old_lp, ref_lp (or None), rollout_lp, each (members, longest)."""
+    lp, ent = packing.pad_flat(lp_flat, counts), packing.pad_flat(ent_flat, counts)
+    mask = packing.pad_flat(torch.ones_like(lp_flat.detach()), counts)
+    old_lp = packing.pad_flat(torch.cat([old[i] for i in members]), counts) if old is not None else lp.detach()
+    ref_lp = packing.pad_flat(torch.cat([ref[i] for i in members]), counts) if ref is not None else None
+    rollout_logp = packing.pad_flat(torch.cat([rollout_lp[i] for i in members]), counts)
+    return lp, ent, mask, old_lp, ref_lp, rollout_logp
+
+
 def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, world: int, device) -> dict:
     """PPO epochs × mini-batches of optimizer steps on this rank's trajectories (packed rows)."""
     g, T = cfg.grpo, cfg.sampling.temperature
     budget = cfg.optim.micro_batch_tokens
     was_training = model.training
-    model.train()  # the loss forwards run with dropout (score() turns it off for old/ref)
+    model.train()  # the loss forwards run with dropout (logprobs_of() turns it off for old/ref)
     seqs = [(t.ids, t.loss_mask) for t in trajs]
     prompt_lens = [len(t.prompt_ids) if t.ids[:len(t.prompt_ids)] == t.prompt_ids else 0 for t in trajs]
     adv = adv.tolist()
@@ -217,8 +232,8 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
     need_old = g.ppo_epochs * g.mini_batches > 1
     row_tokens = cfg.optim.pack_row_tokens
     all_mbs = packing.plan(seqs, prompt_lens, budget, row_tokens) if need_old or ref_model is not None else []
-    old = score(model, all_mbs, T, device) if need_old else {}
-    ref = score(ref_model, all_mbs, T, device) if ref_model is not None else {}
+    old = logprobs_of(model, all_mbs, T, device) if need_old else {}
+    ref = logprobs_of(ref_model, all_mbs, T, device) if ref_model is not None else {}
     loss_kw = grpo.loss_kwargs(g, cfg.sampling.max_context)
     stats, n_steps = {}, 0
     for epoch in range(g.ppo_epochs):
@@ -237,17 +252,10 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
                     continue
                 members = [idx[j] for j in mb.members]
                 lp_flat, ent_flat = packing.forward(model, mb, device, T)  # (N,) loss tokens only
-                # (members, longest) per-sequence layout for the loss; padding is masked out
-                lp, ent = packing.pad_flat(lp_flat, mb.counts), packing.pad_flat(ent_flat, mb.counts)
-                mask = packing.pad_flat(torch.ones_like(lp_flat.detach()), mb.counts)
-                old_lp = packing.pad_flat(torch.cat([old[i] for i in members]), mb.counts) if need_old \
-                    else lp.detach()
-                ref_lp = packing.pad_flat(torch.cat([ref[i] for i in members]), mb.counts) if ref else None
-                # the sampler's logprobs, aligned like old_lp: rollout/trainer mismatch metrics, and
-                # the importance correction of grpo.rollout_is
-                rollout_logp = packing.pad_flat(torch.cat([rollout_lp[i] for i in members]), mb.counts)
-                a = torch.tensor([adv[i] for i in members], dtype=torch.float32, device=device)
-                loss, m = grpo.policy_loss(lp, old_lp, a, mask, ref_logp=ref_lp, rollout_logp=rollout_logp,
+                lp, ent, mask, old_lp, ref_lp, rollout_logp = loss_layout(
+                    lp_flat, ent_flat, mb.counts, members, old if need_old else None, ref or None, rollout_lp)
+                member_adv = torch.tensor([adv[i] for i in members], dtype=torch.float32, device=device)
+                loss, m = grpo.policy_loss(lp, old_lp, member_adv, mask, ref_logp=ref_lp, rollout_logp=rollout_logp,
                                            norm=norm, entropy=ent, **loss_kw)
                 (loss * world).backward()  # FSDP2 averages gradients over ranks; ×world makes it a sum
                 w = float(mask.sum())
@@ -302,10 +310,11 @@ def run_episodes(model, tok, exs, cfg: C.Config, *, n: int, seed: int, greedy: b
     return trajs, rw, t1 - t0, time.time() - t1
 
 
-def summarise(trajs, rw) -> dict:
+def summarise(trajs, rewards) -> dict:
     """Per-rank sums (all-reduced by the caller): count, reward, EX, format errors, turns, tools."""
-    return {"n": len(trajs), "reward": sum(r["reward"] for r in rw), "ex": sum(float(r["exec_match"]) for r in rw),
-            "format_err": sum(float(not r["format_ok"]) for r in rw), "turns": sum(t.num_turns for t in trajs),
+    return {"n": len(trajs), "reward": sum(r["reward"] for r in rewards),
+            "ex": sum(float(r["exec_match"]) for r in rewards),
+            "format_err": sum(float(not r["format_ok"]) for r in rewards), "turns": sum(t.num_turns for t in trajs),
             "tool_calls": sum(t.num_tool_calls for t in trajs),
             "resp_tokens": sum(int(sum(t.loss_mask)) for t in trajs)}
 
@@ -321,14 +330,14 @@ def evaluate(model, tok, eval_ex, cfg, rank, world, device, log: Log, step: int,
     mine = eval_ex[rank::world]
     T = cfg.sampling.eval_temperature  # greedy at 0, else sampled at T (as eval.py does)
     sampling = dataclasses.replace(cfg.sampling, temperature=T) if T > 0 else cfg.sampling
-    trajs, rw, tr, _ = run_episodes(model, tok, mine, cfg, n=1, seed=cfg.train.seed + 10_000, greedy=T == 0,
-                                    sampling=sampling)
-    m = reduce_summary(summarise(trajs, rw), device)
+    trajs, rewards, rollout_s, _ = run_episodes(model, tok, mine, cfg, n=1, seed=cfg.train.seed + 10_000,
+                                                greedy=T == 0, sampling=sampling)
+    m = reduce_summary(summarise(trajs, rewards), device)
     m = {f"{prefix}/{k}": v for k, v in m.items()}
     # error recovery (eval.py generate's rule): episodes whose first query failed or returned no
     # rows, and of those the ones that still ended right; counts summed over ranks
     bad = [eval_lib.first_query_bad(t.steps) for t in trajs]
-    n_bad, n_rec = all_sum([sum(bad), sum(b and bool(r["exec_match"]) for b, r in zip(bad, rw))], device)
+    n_bad, n_rec = all_sum([sum(bad), sum(b and bool(r["exec_match"]) for b, r in zip(bad, rewards))], device)
     m.update({f"{prefix}/first_query_bad": n_bad, f"{prefix}/recovered": n_rec})
     if n_bad:
         m[f"{prefix}/recovery_rate"] = n_rec / n_bad
@@ -336,12 +345,12 @@ def evaluate(model, tok, eval_ex, cfg, rank, world, device, log: Log, step: int,
     log.print(f"[{prefix} @ step {step}] EX {100 * m[prefix + '/ex']:.1f}%  reward {m[prefix + '/reward']:.3f}  "
               f"format-err {100 * m[prefix + '/format_err']:.1f}%  turns {m[prefix + '/turns']:.2f}  "
               f"tool-calls {m[prefix + '/tool_calls']:.2f}  first query empty/failed {n_bad:.0f}, "
-              f"recovered {n_rec:.0f}  ({len(eval_ex)} examples, {tr:.1f}s)")
+              f"recovered {n_rec:.0f}  ({len(eval_ex)} examples, {rollout_s:.1f}s)")
     return m
 
 
-def show_samples(log: Log, trajs, rw, exs, k=2):
-    for t, r, ex in list(zip(trajs, rw, exs))[:k]:
+def show_samples(log: Log, trajs, rewards, exs, k=2):
+    for t, r, ex in list(zip(trajs, rewards, exs))[:k]:
         log.print(f"--- sample (reward {r['reward']:+.2f}, exec {r['exec_match']}, stop {t.stop_reason}, "
                   f"turns {t.num_turns}, tool calls {t.num_tool_calls}) "
                   f"Q: {ex['question']}\n{t.text}\n--- gold: {ex['gold_sql']}")
@@ -442,14 +451,17 @@ def main():
             idx = stream.take(P)[rank::world]
             batch = [train_ex[i] for i in idx]
             seed = (cfg.train.seed * 1_000_003 + step * 1009 + rnd * 101 + rank) % (2 ** 31)
-            tr, rw, a, b = run_episodes(model, tok, batch, cfg, n=G, seed=seed, greedy=False, mem=mem)
-            t_roll, t_rew = t_roll + a, t_rew + b
+            round_trajs, round_rewards, rollout_s, reward_s = run_episodes(model, tok, batch, cfg, n=G, seed=seed,
+                                                                           greedy=False, mem=mem)
+            t_roll, t_rew = t_roll + rollout_s, t_rew + reward_s
             reps = [ex for ex in batch for _ in range(G)]
-            seen_t, seen_r, seen_x = seen_t + tr, seen_r + rw, seen_x + reps
+            seen_t, seen_r, seen_x = seen_t + round_trajs, seen_r + round_rewards, seen_x + reps
             if cfg.grpo.dynamic_sampling:
-                keep = grpo.keep_mask_dynamic(torch.tensor([r["reward"] for r in rw]), G).repeat_interleave(G).tolist()
-                tr, rw, reps = ([x for x, k in zip(xs, keep) if k] for xs in (tr, rw, reps))
-            trajs, rws, exs = trajs + tr, rws + rw, exs + reps
+                keep = grpo.keep_mask_dynamic(torch.tensor([r["reward"] for r in round_rewards]), G)
+                keep = keep.repeat_interleave(G).tolist()
+                round_trajs, round_rewards, reps = ([x for x, k in zip(xs, keep) if k]
+                                                    for xs in (round_trajs, round_rewards, reps))
+            trajs, rws, exs = trajs + round_trajs, rws + round_rewards, exs + reps
             if not cfg.grpo.dynamic_sampling or all_sum([min(len(trajs), P // world * G)], device)[0] >= P * G:
                 break
         trajs, rws, exs = trajs[:P // world * G], rws[:P // world * G], exs[:P // world * G]
