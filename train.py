@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -263,27 +261,13 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
                     stats.setdefault(key, [0.0, 0.0])
                     stats[key][0] += float(v) * w
                     stats[key][1] += w
-            ok = step_optimizer(model, optimizer, scheduler, cfg, stats)
+            ok = optim.step_optimizer(model, optimizer, scheduler, cfg, stats)
             n_steps += ok
     out = {k: v[0] / max(v[1], 1e-9) for k, v in stats.items() if not k.startswith("_")}
     out["grad_norm"] = stats.get("_grad_norm", [float("nan")])[0]
     out["skipped"] = float(n_steps < g.ppo_epochs * g.mini_batches)
     model.train(was_training)
     return out
-
-
-def step_optimizer(model, optimizer, scheduler, cfg, stats) -> bool:
-    """Clip, check for non-finite gradients (skip the step if any), step. Returns True if stepped.
-    Gradients are freed afterwards (set to None) so they are not held through the next rollout."""
-    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-    stats["_grad_norm"] = [float(gn), 1.0]
-    ok = bool(torch.isfinite(gn))
-    if ok:
-        optimizer.step()
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return ok
 
 
 # -----------------------------------------------------------------------------
@@ -386,7 +370,7 @@ def main():
         # the SFT warm start trains the full model, then LoRA adapts the warm weights: SkyRL's
         # LoRA recipe adapts an already instruction-tuned base, and a rank-r adapter on a random
         # tiny model learns little
-        warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log)
+        sft.warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate)
     # fp32 master weights on every world size; model.dtype is the compute dtype (FSDP2 casts).
     # LoRA: the base (model.path, or <out_dir>/base after a warm start) is frozen and shard()
     # keeps it in the compute dtype; only the fp32 adapters are masters
@@ -421,7 +405,7 @@ def main():
         log.print(f"resumed from {ck} at step {step}")
     else:
         if cfg.sft.steps > 0 and not use_lora:
-            run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log)
+            sft.run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate)
         checkpoint.save(cfg.train.out_dir, 0, model, optimizer, scheduler, tok, cfg, {"cursor": 0},
                         keep=cfg.train.keep_checkpoints)
     if step == 0:  # held-out EX before any GRPO step (after the warm start), beside the random floor
@@ -525,72 +509,6 @@ def main():
     if dist.is_initialized():
         dist.destroy_process_group()
 
-
-def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log):
-    """LoRA runs: SFT the full model, then write it to <out_dir>/base (HF folder), the frozen
-    base the adapters train on. Written to a temporary folder and renamed (a kill leaves none)."""
-    full = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32, device=device)
-    full.set_activation_checkpointing(cfg.model.activation_checkpointing)
-    full.fp32_lm_head = cfg.model.fp32_lm_head
-    full = shard(full, compute_dtype(cfg))
-    run_sft(full, tok, train_ex, eval_ex, cfg, rank, world, device, log)
-    msd = checkpoint.full_model_state(full)
-    if rank == 0:
-        final, tmp = Path(checkpoint.lora_base_path(cfg)), Path(cfg.train.out_dir) / ".tmp_base"
-        shutil.rmtree(tmp, ignore_errors=True)
-        checkpoint.export_hf(full, msd, tmp, tok)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        log.print(f"warm start: full-model SFT written to {final} (the LoRA base)")
-    if dist.is_initialized():
-        dist.barrier()
-    del full, msd
-
-
-def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log):
-    """Warm start on gold trajectories (loss on model-side tokens only, token-mean over the batch)."""
-    s = cfg.sft
-    t0 = time.time()
-    prompts = sft.render_prompts(tok, train_ex, cfg.data, cfg.env.protocol, cfg.data.db_root)
-    db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]
-    data = sft.build_dataset(train_ex, prompts, tok, cfg, db_paths)
-    opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
-    # the stop check's questions: 128 spread over the training set (it is ordered by database)
-    probe = train_ex[::max(1, len(train_ex) // 128)][:128] if s.stop_at_train_ex > 0 else []
-    was_training = model.training
-    model.train()  # dropout on for the loss (the evals inside run in eval mode: the engine sets it)
-    for i, idx in enumerate(sft.batches(len(data), s.batch_size, s.steps, cfg.train.seed, rank, world)):
-        seqs = [data[j] for j in idx]
-        n_tok = all_sum([sum(sum(m[1:]) for _, m in seqs)], device)[0]
-        opt.zero_grad(set_to_none=True)
-        tot = 0.0
-        mbs = packing.plan(seqs, None, cfg.optim.micro_batch_tokens, cfg.optim.pack_row_tokens)
-        for mb in packing.pad_to_same_count(mbs, device):
-            if mb is None:
-                packing.dummy_backward(model, device)
-                continue
-            loss_sum = sft.sft_loss_sum(model, [seqs[j] for j in mb.members], row_tokens=cfg.optim.pack_row_tokens)
-            (loss_sum / n_tok * world).backward()
-            tot += loss_sum.detach().item()
-        stats = {}
-        step_optimizer(model, opt, sch, cfg, stats)
-        loss = all_sum([tot], device)[0] / n_tok
-        if (i + 1) % max(1, s.steps // 20) == 0 or i + 1 == s.steps:
-            log.metrics(i + 1, {"sft/loss": loss, "sft/grad_norm": stats["_grad_norm"][0]})
-            log.print(f"sft {i + 1}/{s.steps} | loss {loss:.4f} | gnorm {stats['_grad_norm'][0]:.2f} | "
-                      f"{time.time() - t0:.0f}s")
-        if s.eval_every and (i + 1) % s.eval_every == 0 and i + 1 < s.steps:
-            evaluate(model, tok, eval_ex, cfg, rank, world, device, log, i + 1, prefix="sft/eval")
-        if probe and (i + 1) % max(1, s.stop_check_every) == 0 and i + 1 < s.steps:
-            # all-reduced: every rank sees the same EX and stops at the same step
-            ex = evaluate(model, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")["sft/train/ex"]
-            if ex >= s.stop_at_train_ex:
-                log.metrics(i + 1, {"sft/stopped_at": i + 1})
-                log.print(f"sft: stopped at step {i + 1} of {s.steps}: training EX {100 * ex:.1f}% >= "
-                          f"sft.stop_at_train_ex {100 * s.stop_at_train_ex:.0f}%")
-                break
-    model.train(was_training)
-    del opt, sch
 
 
 if __name__ == "__main__":
