@@ -83,9 +83,9 @@ class EnvConfig:
     #   rejoin as soon as their results arrive and the loop waits only when nothing else can run (a slow query
     #   stalls only its own rows; each row samples the same tokens, the engine's batches depend on timing)
     tool_timeout_s: float = 5.0
-    max_rows: int = 50  # rows shown when the table is too long
+    max_result_rows: int = 50  # rows shown when the table is too long
     fetch_rows: int = 10000  # rows fetched at most (memory bound)
-    max_obs_chars: int = 9000  # longer tables are cut to max_rows rows with a note
+    max_obs_chars: int = 9000  # longer tables are cut to max_result_rows rows with a note
     workers: int = 0  # SQL worker processes per rank; 0 = cores / ranks on this machine
     # observation strings (SkyRL-SQL's); env.py fills {result}, {turns_left}, {error}, {shown}, {total}
     obs_template: str = ("\n\n<observation>{result}\n<reminder>You have {turns_left} turns left to complete"
@@ -95,7 +95,7 @@ class EnvConfig:
     error_text: str = "Error executing SQL: {error}"
     timeout_text: str = "SQL Timeout"
     truncated_text: str = "Truncated to {shown} of {total} rows since returned response too long."
-    actions_max_rows: int = 20  # actions protocol: QUERY results cut to 20 rows (sql_env)
+    actions_max_result_rows: int = 20  # actions protocol: QUERY results cut to 20 rows (sql_env)
     sample_rows: int = 5  # actions protocol: SAMPLE <table> = LIMIT 5
 
 
@@ -119,7 +119,7 @@ class SamplingConfig:
     max_context: int = 29000  # prompt + all turns
     kv_budget_tokens: int = 1_000_000  # KV cache tokens per rank: rows run while their blocks fit
     block_size: int = 16  # tokens per KV cache block (the unit of paging and prompt sharing)
-    max_rows: int = 0  # most sequences decoding at once; 0 = as many as the KV budget holds
+    max_decode_rows: int = 0  # most sequences decoding at once; 0 = as many as the KV budget holds
     cuda_graphs: bool = False  # CUDA: replay the decode forward from captured graphs (ignored on CPU)
     # how a decode step reads the paged KV cache (paged_attention.py): flex = FlexAttention over the
     # blocks in place, gather = copy each row's blocks out then SDPA (the reference); auto = flex on CUDA
@@ -251,7 +251,17 @@ def all_keys(cfg: Config | None = None) -> dict[str, Any]:
     return {f"{g}.{k}": v for g, grp in to_dict(cfg).items() for k, v in grp.items()}
 
 
+# old key -> new key: a config written before a rename fails naming the new key
+RENAMED = {
+    "env.max_rows": "env.max_result_rows",
+    "env.actions_max_rows": "env.actions_max_result_rows",
+    "sampling.max_rows": "sampling.max_decode_rows",
+}
+
+
 def _unknown(key: str, valid: list[str]) -> ConfigError:
+    if key in RENAMED:
+        return ConfigError(f"config key '{key}' was renamed {RENAMED[key]}; did you mean {RENAMED[key]}?")
     close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
     if not close:  # also try the last part alone, e.g. "cliphigh" -> grpo.clip_high
         tail = key.split(".")[-1]

@@ -53,7 +53,7 @@ class Engine:
         n_blocks = max(1, min(-(-cfg.kv_budget_tokens // bs), sum(-(-w // bs) for w in worst_case)))
         self.cache = PagedKVCache.for_model(model, n_blocks, bs, dtype or weight.dtype, cfg.paged_attention)
         self.blocks = BlockManager(n_blocks, bs)
-        self.scheduler = Scheduler(self.blocks, cfg.max_rows, PREFILL_TOKENS)
+        self.scheduler = Scheduler(self.blocks, cfg.max_decode_rows, PREFILL_TOKENS)
         mirror = self.device.type == "cpu" and self.MIRROR_ON_CPU and self.cache.attention == "gather"
         self.runner = ModelRunner(model, self.cache, cfg, stopper.candidates(model.config.vocab_size), greedy=greedy,
                                   logits_hook=logits_hook, mirror=mirror)

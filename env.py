@@ -123,7 +123,7 @@ def format_observation(result: SqlResult, turns_left: int, cfg: EnvConfig, row_c
     elif not result.ok:
         body = cfg.error_text.format(error=result.error)
     else:
-        body = format_table(result, cfg.max_obs_chars, cfg.max_rows, row_cap, cfg.truncated_text)
+        body = format_table(result, cfg.max_obs_chars, cfg.max_result_rows, row_cap, cfg.truncated_text)
     return cfg.obs_template.format(result=body, turns_left=turns_left)
 
 
@@ -189,7 +189,7 @@ def step_batch(db_paths: list, texts: list[str], turns_left: list[int], cfg: Env
         if a.kind == "describe" and r.ok and r.rows:
             obs = cfg.obs_template.format(result=r.rows[0][0], turns_left=turns_left[i])
         else:
-            cap = cfg.actions_max_rows if a.kind == "query" else 0
+            cap = cfg.actions_max_result_rows if a.kind == "query" else 0
             obs = format_observation(r, turns_left[i], cfg, row_cap=cap)
         out[i] = StepResult(a, obs, False, r)
     return out

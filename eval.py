@@ -140,7 +140,7 @@ def cmd_score(args) -> None:
 
 
 # -----------------------------------------------------------------------------
-# generate (issue 7): rollouts with the training code -> predictions, traces, summary
+# generate: rollouts with the training code -> predictions, traces, summary
 
 PLACEHOLDER = "SELECT __no_solution__"  # a failed episode's line: always an error, so always wrong
 # (`SELECT 1 WHERE 0` would not do: it matches a gold that returns no rows)

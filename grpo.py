@@ -78,8 +78,6 @@ def keep_mask_dynamic(rewards: Tensor, group_size: int) -> Tensor:
     return (r != r[:, :1]).any(dim=1)
 
 
-dynamic_keep = keep_mask_dynamic  # the name used in the issue
-
 
 # -----------------------------------------------------------------------------
 # normalisers and masked reductions

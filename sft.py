@@ -21,23 +21,34 @@ first lookup, so the answer always fits. The tags protocol thinks before each tu
 every </observation> is followed by <think>); the actions protocol needs no think.
 
 Loss only on the model-side tokens (mask 1), never on the prompt or the observations.
-train.py runs it before GRPO when `sft.steps > 0`; it shares the model, FSDP2 and checkpoints.
+train.py calls run_sft (the loop) before GRPO when `sft.steps > 0`, or warm_start_base in a LoRA
+run (SFT the full model, then write the frozen base); it shares the model, FSDP2 and checkpoints.
 Tests: .venv/bin/pytest tests/test_sft.py
 """
 from __future__ import annotations
 
 import functools
+import os
 import random
+import shutil
 import sqlite3
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+import checkpoint
 import config as C
+import dataset
 import env
+import optim
 import packing
 import rollout
 import sandbox
+from distributed import all_sum, compute_dtype, shard
+from model import Transformer
 
 # -----------------------------------------------------------------------------
 # the gold episode's turns (text only)
@@ -231,3 +242,77 @@ def sft_loss_sum(model, seqs, temperature: float = 1.0, row_tokens: int = 0):
     mb, = packing.plan(seqs, None, budget=1 << 62, row_tokens=row_tokens or sum(len(s[0]) for s in seqs))
     logp, _ = packing.forward(model, mb, device, temperature)  # (N,) loss tokens only
     return -logp.sum()
+
+
+# -----------------------------------------------------------------------------
+# the warm start: the SFT loop, and the full-model base of a LoRA run
+
+
+def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate):
+    """LoRA runs: SFT the full model, then write it to <out_dir>/base (HF folder), the frozen
+    base the adapters train on. Written to a temporary folder and renamed (a kill leaves none).
+    evaluate: train.evaluate, as run_sft takes it."""
+    full = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32, device=device)
+    full.set_activation_checkpointing(cfg.model.activation_checkpointing)
+    full.fp32_lm_head = cfg.model.fp32_lm_head
+    full = shard(full, compute_dtype(cfg))
+    run_sft(full, tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate)
+    msd = checkpoint.full_model_state(full)
+    if rank == 0:
+        final, tmp = Path(checkpoint.lora_base_path(cfg)), Path(cfg.train.out_dir) / ".tmp_base"
+        shutil.rmtree(tmp, ignore_errors=True)
+        checkpoint.export_hf(full, msd, tmp, tok)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        log.print(f"warm start: full-model SFT written to {final} (the LoRA base)")
+    if dist.is_initialized():
+        dist.barrier()
+    del full, msd
+
+
+def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate):
+    """Warm start on gold trajectories (loss on model-side tokens only, token-mean over the batch).
+    evaluate: train.evaluate(model, tok, exs, cfg, rank, world, device, log, step, prefix) -> metrics,
+    for sft.eval_every and the sft.stop_at_train_ex check; log: train.Log."""
+    s = cfg.sft
+    t0 = time.time()
+    prompts = render_prompts(tok, train_ex, cfg.data, cfg.env.protocol, cfg.data.db_root)
+    db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]
+    data = build_dataset(train_ex, prompts, tok, cfg, db_paths)
+    opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
+    # the stop check's questions: 128 spread over the training set (it is ordered by database)
+    probe = train_ex[::max(1, len(train_ex) // 128)][:128] if s.stop_at_train_ex > 0 else []
+    was_training = model.training
+    model.train()  # dropout on for the loss (the evals inside run in eval mode: the engine sets it)
+    for i, idx in enumerate(batches(len(data), s.batch_size, s.steps, cfg.train.seed, rank, world)):
+        seqs = [data[j] for j in idx]
+        n_tok = all_sum([sum(sum(m[1:]) for _, m in seqs)], device)[0]
+        opt.zero_grad(set_to_none=True)
+        tot = 0.0
+        mbs = packing.plan(seqs, None, cfg.optim.micro_batch_tokens, cfg.optim.pack_row_tokens)
+        for mb in packing.pad_to_same_count(mbs, device):
+            if mb is None:
+                packing.dummy_backward(model, device)
+                continue
+            loss_sum = sft_loss_sum(model, [seqs[j] for j in mb.members], row_tokens=cfg.optim.pack_row_tokens)
+            (loss_sum / n_tok * world).backward()
+            tot += loss_sum.detach().item()
+        stats = {}
+        optim.step_optimizer(model, opt, sch, cfg, stats)
+        loss = all_sum([tot], device)[0] / n_tok
+        if (i + 1) % max(1, s.steps // 20) == 0 or i + 1 == s.steps:
+            log.metrics(i + 1, {"sft/loss": loss, "sft/grad_norm": stats["_grad_norm"][0]})
+            log.print(f"sft {i + 1}/{s.steps} | loss {loss:.4f} | gnorm {stats['_grad_norm'][0]:.2f} | "
+                      f"{time.time() - t0:.0f}s")
+        if s.eval_every and (i + 1) % s.eval_every == 0 and i + 1 < s.steps:
+            evaluate(model, tok, eval_ex, cfg, rank, world, device, log, i + 1, prefix="sft/eval")
+        if probe and (i + 1) % max(1, s.stop_check_every) == 0 and i + 1 < s.steps:
+            # all-reduced: every rank sees the same EX and stops at the same step
+            ex = evaluate(model, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")["sft/train/ex"]
+            if ex >= s.stop_at_train_ex:
+                log.metrics(i + 1, {"sft/stopped_at": i + 1})
+                log.print(f"sft: stopped at step {i + 1} of {s.steps}: training EX {100 * ex:.1f}% >= "
+                          f"sft.stop_at_train_ex {100 * s.stop_at_train_ex:.0f}%")
+                break
+    model.train(was_training)
+    del opt, sch

@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -183,7 +181,7 @@ def training_mode(model, training: bool):
         model.train(was_training)
 
 
-def score(model, mbs, temperature: float, device) -> dict[int, torch.Tensor]:
+def logprobs_of(model, mbs, temperature: float, device) -> dict[int, torch.Tensor]:
     """No-grad logprobs of every sequence's loss tokens: {sequence index: (n_loss_tokens,)}.
     Stored per sequence, so any later packing (mini-batches, epochs) can look them up.
     Eval mode (no dropout): old logprobs are the behaviour policy's, the one that sampled the
@@ -201,12 +199,27 @@ def score(model, mbs, temperature: float, device) -> dict[int, torch.Tensor]:
     return out
 
 
+def loss_layout(lp_flat, ent_flat, counts, members, old, ref, rollout_lp):
+    """The packed forward's flat loss tokens -> the loss's (members, longest) per-sequence layout,
+    padding masked out. lp_flat, ent_flat: (N,) loss tokens of a micro-batch, counts[k] of them
+    for members[k]; old / ref / rollout_lp: {sequence index: (n_loss_tokens,)} (old None: one update
+    per batch, so old = the current logprobs detached; ref None: no KL term). rollout_lp, the
+    sampler's logprobs, feeds the rollout/trainer mismatch metrics and grpo.rollout_is.
+    Returns lp, ent, mask, old_lp, ref_lp (or None), rollout_lp, each (members, longest)."""
+    lp, ent = packing.pad_flat(lp_flat, counts), packing.pad_flat(ent_flat, counts)
+    mask = packing.pad_flat(torch.ones_like(lp_flat.detach()), counts)
+    old_lp = packing.pad_flat(torch.cat([old[i] for i in members]), counts) if old is not None else lp.detach()
+    ref_lp = packing.pad_flat(torch.cat([ref[i] for i in members]), counts) if ref is not None else None
+    rollout_logp = packing.pad_flat(torch.cat([rollout_lp[i] for i in members]), counts)
+    return lp, ent, mask, old_lp, ref_lp, rollout_logp
+
+
 def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, world: int, device) -> dict:
     """PPO epochs × mini-batches of optimizer steps on this rank's trajectories (packed rows)."""
     g, T = cfg.grpo, cfg.sampling.temperature
     budget = cfg.optim.micro_batch_tokens
     was_training = model.training
-    model.train()  # the loss forwards run with dropout (score() turns it off for old/ref)
+    model.train()  # the loss forwards run with dropout (logprobs_of() turns it off for old/ref)
     seqs = [(t.ids, t.loss_mask) for t in trajs]
     prompt_lens = [len(t.prompt_ids) if t.ids[:len(t.prompt_ids)] == t.prompt_ids else 0 for t in trajs]
     adv = adv.tolist()
@@ -217,8 +230,8 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
     need_old = g.ppo_epochs * g.mini_batches > 1
     row_tokens = cfg.optim.pack_row_tokens
     all_mbs = packing.plan(seqs, prompt_lens, budget, row_tokens) if need_old or ref_model is not None else []
-    old = score(model, all_mbs, T, device) if need_old else {}
-    ref = score(ref_model, all_mbs, T, device) if ref_model is not None else {}
+    old = logprobs_of(model, all_mbs, T, device) if need_old else {}
+    ref = logprobs_of(ref_model, all_mbs, T, device) if ref_model is not None else {}
     loss_kw = grpo.loss_kwargs(g, cfg.sampling.max_context)
     stats, n_steps = {}, 0
     for epoch in range(g.ppo_epochs):
@@ -237,17 +250,10 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
                     continue
                 members = [idx[j] for j in mb.members]
                 lp_flat, ent_flat = packing.forward(model, mb, device, T)  # (N,) loss tokens only
-                # (members, longest) per-sequence layout for the loss; padding is masked out
-                lp, ent = packing.pad_flat(lp_flat, mb.counts), packing.pad_flat(ent_flat, mb.counts)
-                mask = packing.pad_flat(torch.ones_like(lp_flat.detach()), mb.counts)
-                old_lp = packing.pad_flat(torch.cat([old[i] for i in members]), mb.counts) if need_old \
-                    else lp.detach()
-                ref_lp = packing.pad_flat(torch.cat([ref[i] for i in members]), mb.counts) if ref else None
-                # the sampler's logprobs, aligned like old_lp: rollout/trainer mismatch metrics, and
-                # the importance correction of grpo.rollout_is
-                rollout_logp = packing.pad_flat(torch.cat([rollout_lp[i] for i in members]), mb.counts)
-                a = torch.tensor([adv[i] for i in members], dtype=torch.float32, device=device)
-                loss, m = grpo.policy_loss(lp, old_lp, a, mask, ref_logp=ref_lp, rollout_logp=rollout_logp,
+                lp, ent, mask, old_lp, ref_lp, rollout_logp = loss_layout(
+                    lp_flat, ent_flat, mb.counts, members, old if need_old else None, ref or None, rollout_lp)
+                member_adv = torch.tensor([adv[i] for i in members], dtype=torch.float32, device=device)
+                loss, m = grpo.policy_loss(lp, old_lp, member_adv, mask, ref_logp=ref_lp, rollout_logp=rollout_logp,
                                            norm=norm, entropy=ent, **loss_kw)
                 (loss * world).backward()  # FSDP2 averages gradients over ranks; ×world makes it a sum
                 w = float(mask.sum())
@@ -255,27 +261,13 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
                     stats.setdefault(key, [0.0, 0.0])
                     stats[key][0] += float(v) * w
                     stats[key][1] += w
-            ok = step_optimizer(model, optimizer, scheduler, cfg, stats)
+            ok = optim.step_optimizer(model, optimizer, scheduler, cfg, stats)
             n_steps += ok
     out = {k: v[0] / max(v[1], 1e-9) for k, v in stats.items() if not k.startswith("_")}
     out["grad_norm"] = stats.get("_grad_norm", [float("nan")])[0]
     out["skipped"] = float(n_steps < g.ppo_epochs * g.mini_batches)
     model.train(was_training)
     return out
-
-
-def step_optimizer(model, optimizer, scheduler, cfg, stats) -> bool:
-    """Clip, check for non-finite gradients (skip the step if any), step. Returns True if stepped.
-    Gradients are freed afterwards (set to None) so they are not held through the next rollout."""
-    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-    stats["_grad_norm"] = [float(gn), 1.0]
-    ok = bool(torch.isfinite(gn))
-    if ok:
-        optimizer.step()
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return ok
 
 
 # -----------------------------------------------------------------------------
@@ -302,10 +294,11 @@ def run_episodes(model, tok, exs, cfg: C.Config, *, n: int, seed: int, greedy: b
     return trajs, rw, t1 - t0, time.time() - t1
 
 
-def summarise(trajs, rw) -> dict:
+def summarise(trajs, rewards) -> dict:
     """Per-rank sums (all-reduced by the caller): count, reward, EX, format errors, turns, tools."""
-    return {"n": len(trajs), "reward": sum(r["reward"] for r in rw), "ex": sum(float(r["exec_match"]) for r in rw),
-            "format_err": sum(float(not r["format_ok"]) for r in rw), "turns": sum(t.num_turns for t in trajs),
+    return {"n": len(trajs), "reward": sum(r["reward"] for r in rewards),
+            "ex": sum(float(r["exec_match"]) for r in rewards),
+            "format_err": sum(float(not r["format_ok"]) for r in rewards), "turns": sum(t.num_turns for t in trajs),
             "tool_calls": sum(t.num_tool_calls for t in trajs),
             "resp_tokens": sum(int(sum(t.loss_mask)) for t in trajs)}
 
@@ -321,14 +314,14 @@ def evaluate(model, tok, eval_ex, cfg, rank, world, device, log: Log, step: int,
     mine = eval_ex[rank::world]
     T = cfg.sampling.eval_temperature  # greedy at 0, else sampled at T (as eval.py does)
     sampling = dataclasses.replace(cfg.sampling, temperature=T) if T > 0 else cfg.sampling
-    trajs, rw, tr, _ = run_episodes(model, tok, mine, cfg, n=1, seed=cfg.train.seed + 10_000, greedy=T == 0,
-                                    sampling=sampling)
-    m = reduce_summary(summarise(trajs, rw), device)
+    trajs, rewards, rollout_s, _ = run_episodes(model, tok, mine, cfg, n=1, seed=cfg.train.seed + 10_000,
+                                                greedy=T == 0, sampling=sampling)
+    m = reduce_summary(summarise(trajs, rewards), device)
     m = {f"{prefix}/{k}": v for k, v in m.items()}
     # error recovery (eval.py generate's rule): episodes whose first query failed or returned no
     # rows, and of those the ones that still ended right; counts summed over ranks
     bad = [eval_lib.first_query_bad(t.steps) for t in trajs]
-    n_bad, n_rec = all_sum([sum(bad), sum(b and bool(r["exec_match"]) for b, r in zip(bad, rw))], device)
+    n_bad, n_rec = all_sum([sum(bad), sum(b and bool(r["exec_match"]) for b, r in zip(bad, rewards))], device)
     m.update({f"{prefix}/first_query_bad": n_bad, f"{prefix}/recovered": n_rec})
     if n_bad:
         m[f"{prefix}/recovery_rate"] = n_rec / n_bad
@@ -336,12 +329,12 @@ def evaluate(model, tok, eval_ex, cfg, rank, world, device, log: Log, step: int,
     log.print(f"[{prefix} @ step {step}] EX {100 * m[prefix + '/ex']:.1f}%  reward {m[prefix + '/reward']:.3f}  "
               f"format-err {100 * m[prefix + '/format_err']:.1f}%  turns {m[prefix + '/turns']:.2f}  "
               f"tool-calls {m[prefix + '/tool_calls']:.2f}  first query empty/failed {n_bad:.0f}, "
-              f"recovered {n_rec:.0f}  ({len(eval_ex)} examples, {tr:.1f}s)")
+              f"recovered {n_rec:.0f}  ({len(eval_ex)} examples, {rollout_s:.1f}s)")
     return m
 
 
-def show_samples(log: Log, trajs, rw, exs, k=2):
-    for t, r, ex in list(zip(trajs, rw, exs))[:k]:
+def show_samples(log: Log, trajs, rewards, exs, k=2):
+    for t, r, ex in list(zip(trajs, rewards, exs))[:k]:
         log.print(f"--- sample (reward {r['reward']:+.2f}, exec {r['exec_match']}, stop {t.stop_reason}, "
                   f"turns {t.num_turns}, tool calls {t.num_tool_calls}) "
                   f"Q: {ex['question']}\n{t.text}\n--- gold: {ex['gold_sql']}")
@@ -377,7 +370,7 @@ def main():
         # the SFT warm start trains the full model, then LoRA adapts the warm weights: SkyRL's
         # LoRA recipe adapts an already instruction-tuned base, and a rank-r adapter on a random
         # tiny model learns little
-        warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log)
+        sft.warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate)
     # fp32 master weights on every world size; model.dtype is the compute dtype (FSDP2 casts).
     # LoRA: the base (model.path, or <out_dir>/base after a warm start) is frozen and shard()
     # keeps it in the compute dtype; only the fp32 adapters are masters
@@ -412,7 +405,7 @@ def main():
         log.print(f"resumed from {ck} at step {step}")
     else:
         if cfg.sft.steps > 0 and not use_lora:
-            run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log)
+            sft.run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate)
         checkpoint.save(cfg.train.out_dir, 0, model, optimizer, scheduler, tok, cfg, {"cursor": 0},
                         keep=cfg.train.keep_checkpoints)
     if step == 0:  # held-out EX before any GRPO step (after the warm start), beside the random floor
@@ -442,14 +435,17 @@ def main():
             idx = stream.take(P)[rank::world]
             batch = [train_ex[i] for i in idx]
             seed = (cfg.train.seed * 1_000_003 + step * 1009 + rnd * 101 + rank) % (2 ** 31)
-            tr, rw, a, b = run_episodes(model, tok, batch, cfg, n=G, seed=seed, greedy=False, mem=mem)
-            t_roll, t_rew = t_roll + a, t_rew + b
+            round_trajs, round_rewards, rollout_s, reward_s = run_episodes(model, tok, batch, cfg, n=G, seed=seed,
+                                                                           greedy=False, mem=mem)
+            t_roll, t_rew = t_roll + rollout_s, t_rew + reward_s
             reps = [ex for ex in batch for _ in range(G)]
-            seen_t, seen_r, seen_x = seen_t + tr, seen_r + rw, seen_x + reps
+            seen_t, seen_r, seen_x = seen_t + round_trajs, seen_r + round_rewards, seen_x + reps
             if cfg.grpo.dynamic_sampling:
-                keep = grpo.keep_mask_dynamic(torch.tensor([r["reward"] for r in rw]), G).repeat_interleave(G).tolist()
-                tr, rw, reps = ([x for x, k in zip(xs, keep) if k] for xs in (tr, rw, reps))
-            trajs, rws, exs = trajs + tr, rws + rw, exs + reps
+                keep = grpo.keep_mask_dynamic(torch.tensor([r["reward"] for r in round_rewards]), G)
+                keep = keep.repeat_interleave(G).tolist()
+                round_trajs, round_rewards, reps = ([x for x, k in zip(xs, keep) if k]
+                                                    for xs in (round_trajs, round_rewards, reps))
+            trajs, rws, exs = trajs + round_trajs, rws + round_rewards, exs + reps
             if not cfg.grpo.dynamic_sampling or all_sum([min(len(trajs), P // world * G)], device)[0] >= P * G:
                 break
         trajs, rws, exs = trajs[:P // world * G], rws[:P // world * G], exs[:P // world * G]
@@ -513,72 +509,6 @@ def main():
     if dist.is_initialized():
         dist.destroy_process_group()
 
-
-def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log):
-    """LoRA runs: SFT the full model, then write it to <out_dir>/base (HF folder), the frozen
-    base the adapters train on. Written to a temporary folder and renamed (a kill leaves none)."""
-    full = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32, device=device)
-    full.set_activation_checkpointing(cfg.model.activation_checkpointing)
-    full.fp32_lm_head = cfg.model.fp32_lm_head
-    full = shard(full, compute_dtype(cfg))
-    run_sft(full, tok, train_ex, eval_ex, cfg, rank, world, device, log)
-    msd = checkpoint.full_model_state(full)
-    if rank == 0:
-        final, tmp = Path(checkpoint.lora_base_path(cfg)), Path(cfg.train.out_dir) / ".tmp_base"
-        shutil.rmtree(tmp, ignore_errors=True)
-        checkpoint.export_hf(full, msd, tmp, tok)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        log.print(f"warm start: full-model SFT written to {final} (the LoRA base)")
-    if dist.is_initialized():
-        dist.barrier()
-    del full, msd
-
-
-def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log):
-    """Warm start on gold trajectories (loss on model-side tokens only, token-mean over the batch)."""
-    s = cfg.sft
-    t0 = time.time()
-    prompts = sft.render_prompts(tok, train_ex, cfg.data, cfg.env.protocol, cfg.data.db_root)
-    db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]
-    data = sft.build_dataset(train_ex, prompts, tok, cfg, db_paths)
-    opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
-    # the stop check's questions: 128 spread over the training set (it is ordered by database)
-    probe = train_ex[::max(1, len(train_ex) // 128)][:128] if s.stop_at_train_ex > 0 else []
-    was_training = model.training
-    model.train()  # dropout on for the loss (the evals inside run in eval mode: the engine sets it)
-    for i, idx in enumerate(sft.batches(len(data), s.batch_size, s.steps, cfg.train.seed, rank, world)):
-        seqs = [data[j] for j in idx]
-        n_tok = all_sum([sum(sum(m[1:]) for _, m in seqs)], device)[0]
-        opt.zero_grad(set_to_none=True)
-        tot = 0.0
-        mbs = packing.plan(seqs, None, cfg.optim.micro_batch_tokens, cfg.optim.pack_row_tokens)
-        for mb in packing.pad_to_same_count(mbs, device):
-            if mb is None:
-                packing.dummy_backward(model, device)
-                continue
-            loss_sum = sft.sft_loss_sum(model, [seqs[j] for j in mb.members], row_tokens=cfg.optim.pack_row_tokens)
-            (loss_sum / n_tok * world).backward()
-            tot += loss_sum.detach().item()
-        stats = {}
-        step_optimizer(model, opt, sch, cfg, stats)
-        loss = all_sum([tot], device)[0] / n_tok
-        if (i + 1) % max(1, s.steps // 20) == 0 or i + 1 == s.steps:
-            log.metrics(i + 1, {"sft/loss": loss, "sft/grad_norm": stats["_grad_norm"][0]})
-            log.print(f"sft {i + 1}/{s.steps} | loss {loss:.4f} | gnorm {stats['_grad_norm'][0]:.2f} | "
-                      f"{time.time() - t0:.0f}s")
-        if s.eval_every and (i + 1) % s.eval_every == 0 and i + 1 < s.steps:
-            evaluate(model, tok, eval_ex, cfg, rank, world, device, log, i + 1, prefix="sft/eval")
-        if probe and (i + 1) % max(1, s.stop_check_every) == 0 and i + 1 < s.steps:
-            # all-reduced: every rank sees the same EX and stops at the same step
-            ex = evaluate(model, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")["sft/train/ex"]
-            if ex >= s.stop_at_train_ex:
-                log.metrics(i + 1, {"sft/stopped_at": i + 1})
-                log.print(f"sft: stopped at step {i + 1} of {s.steps}: training EX {100 * ex:.1f}% >= "
-                          f"sft.stop_at_train_ex {100 * s.stop_at_train_ex:.0f}%")
-                break
-    model.train(was_training)
-    del opt, sch
 
 
 if __name__ == "__main__":

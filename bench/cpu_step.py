@@ -17,7 +17,7 @@ what dynamic sampling keeps of 128 when ~62% of the groups have mixed rewards: ~
 grpo.group_size trajectories: each prompt followed by the gold response (tool turn, real
 observation, solution) of a randomly drawn training question, so lengths and loss masks are
 those of real episodes. SFT: `--sft-steps` steps of sft.batch_size gold trajectories, the loop
-body of train.run_sft (plan, sft_loss_sum, backward, clip + AdamW).
+body of sft.run_sft (plan, sft_loss_sum, backward, clip + AdamW).
 
     .venv/bin/python bench/cpu_step.py [--pairs 3] [--prompts 80] [--sft-steps 10]
     torchrun --standalone --nproc_per_node=2 bench/cpu_step.py     # as train.py runs: FSDP2 on gloo
@@ -118,7 +118,7 @@ class Arm:
         return time.perf_counter() - t0, m
 
     def sft_steps(self, batches, world, device) -> tuple[float, list]:
-        """train.run_sft's loop body on each batch; -> (seconds, [(loss, grad norm)])."""
+        """sft.run_sft's loop body on each batch; -> (seconds, [(loss, grad norm)])."""
         packing.CPU_DENSE_MASK = self.dense
         # the old arm: no prefix sharing across prompts (sft_loss_sum reads it from packing)
         packing.shared_prefix_lens = (lambda seqs: [0] * len(seqs)) if self.dense else SHARED_PREFIX_LENS
@@ -136,7 +136,7 @@ class Arm:
                 (loss_sum / n_tok * world).backward()
                 tot += loss_sum.detach().item()
             stats = {}
-            train.step_optimizer(self.model, self.sft_opt, self.sft_sch, self.cfg, stats)
+            optim.step_optimizer(self.model, self.sft_opt, self.sft_sch, self.cfg, stats)
             out.append((all_sum([tot], device)[0] / n_tok, stats["_grad_norm"][0]))
         return time.perf_counter() - t0, out
 

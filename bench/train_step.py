@@ -174,7 +174,7 @@ def padded_update(model, optimizer, scheduler, trajs, adv, cfg, device) -> dict:
                                          clip_high=g.clip_high, agg=g.loss_agg, norm=norm, entropy=ent)
         loss.backward()
     stats = {}
-    train.step_optimizer(model, optimizer, scheduler, cfg, stats)
+    optim.step_optimizer(model, optimizer, scheduler, cfg, stats)
     return {"grad_norm": stats["_grad_norm"][0]}
 
 

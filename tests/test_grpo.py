@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grpo import (AGGS, advantages, dynamic_keep, global_norm, keep_mask_dynamic, masked_mean,
+from grpo import (AGGS, advantages, global_norm, keep_mask_dynamic, masked_mean,
                   policy_loss)
 
 L = math.log
@@ -112,7 +112,7 @@ def test_bad_mode():
 def test_dynamic_keep():
     r = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, -1.0, 0.0])
     assert keep_mask_dynamic(r, 2).tolist() == [False, True, False, True]
-    assert dynamic_keep(r, 4).tolist() == [True, True]
+    assert keep_mask_dynamic(r, 4).tolist() == [True, True]
     assert keep_mask_dynamic(torch.tensor([2.0, 2.0, 2.0]), 3).tolist() == [False]
 
 

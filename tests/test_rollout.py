@@ -238,11 +238,11 @@ def test_seeded_sampling_reproduces_and_batching_changes_nothing(tok, model):
     assert [t.ids for t in base] != [t.ids for t in other]
     assert base[0].ids != base[4].ids  # same prompt, different samples
     # eos + stop strings end rows at different steps; a tight KV budget evicts and recomputes rows;
-    # max_rows keeps rows waiting; small blocks split prompts over many blocks
+    # max_decode_rows keeps rows waiting; small blocks split prompts over many blocks
     kw = dict(seed=3)
     ref = generate(model, ps, scfg(), STOPS, tok, **kw)
     longest = max(map(len, ps)) + 24
-    for c in (scfg(kv_budget_tokens=longest), scfg(max_rows=3), scfg(block_size=1), scfg(block_size=64)):
+    for c in (scfg(kv_budget_tokens=longest), scfg(max_decode_rows=3), scfg(block_size=1), scfg(block_size=64)):
         got = generate(model, ps, c, STOPS, tok, **kw)
         assert [t.ids for t in got] == [t.ids for t in ref]
         for a, b in zip(got, ref):

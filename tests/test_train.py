@@ -103,12 +103,11 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
     def fake_evaluate(model, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
         checks.append((step, prefix, len(exs)))
         return {f"{prefix}/ex": curve[step]}
-    monkeypatch.setattr(train, "evaluate", fake_evaluate)
-    real_step = train.step_optimizer
-    monkeypatch.setattr(train, "step_optimizer", lambda *a: steps.append(1) or real_step(*a))
+    real_step = optim.step_optimizer
+    monkeypatch.setattr(optim, "step_optimizer", lambda *a: steps.append(1) or real_step(*a))
     log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
     model = Transformer.from_pretrained(path)
-    train.run_sft(model, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log)
+    sft.run_sft(model, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log, fake_evaluate)
     if threshold == 0.0:
         assert checks == [] and len(steps) == 40
     else:
@@ -133,7 +132,7 @@ def test_sft_loss_runs_in_training_mode(tmp_path, tiny_model, monkeypatch):
                         real_loss(model, *a, **kw))
     log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
     model = Transformer.from_pretrained(path)
-    train.run_sft(model, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log)
+    sft.run_sft(model, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log, train.evaluate)
     assert modes and all(modes) and not model.training
 
 
