@@ -107,6 +107,11 @@ class RewardConfig:
     wrong: float = 0.0
     format_error: float = -1.0
     dense: bool = False  # actions protocol: sql_env's dense shaping
+    # actions + dense: pay the shaping only in episodes that end with an ANSWER. sql_env paid it in
+    # every episode; then a policy that never answers (budget spent on new DESCRIBE/QUERYs, each
+    # +0.025) outscores one that answers wrong after fewer calls, and GRPO drifts to no answer.
+    # false = sql_env's rule
+    dense_needs_answer: bool = True
     keep_distinct: bool = False  # spider mode: compare with DISTINCT kept (the evaluator's --keep_distinct)
 
 

@@ -312,7 +312,8 @@ def episode_rewards(episodes: list[dict], cfg: RewardConfig, protocol: str = "ta
             reward = cfg.format_error
         else:
             reward = cfg.correct if match else cfg.wrong
-        if protocol == "actions" and cfg.dense:
+        # an episode without an ANSWER gets no shaping under dense_needs_answer (see RewardConfig)
+        if protocol == "actions" and cfg.dense and (e["finished"] or not cfg.dense_needs_answer):
             reward += dense_shaping(e.get("steps") or [],
                                     gold_rows(e["db_path"], e["gold_sql"], cfg.mode, cfg.keep_distinct))
         out.append({"reward": reward, "exec_match": match, "format_ok": fmt_ok, "error": err})

@@ -283,9 +283,29 @@ def test_episode_rewards_tags_and_actions(small_db):
            dict(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="", finished=False, steps=steps)]
     plain = reward.episode_rewards(act, RewardConfig(), protocol="actions")
     assert [o["reward"] for o in plain] == [1.0, 0.0]  # no format penalty in sql_env
-    dense = reward.episode_rewards(act, RewardConfig(dense=True), protocol="actions")
     shaped = -0.005 + 0.02 + 0.01 + 0.15
-    assert [o["reward"] for o in dense] == pytest.approx([1.0 + shaped, shaped])
+    # default: the shaping only when the episode ends with an ANSWER; the one without gets nothing
+    dense = reward.episode_rewards(act, RewardConfig(dense=True), protocol="actions")
+    assert [o["reward"] for o in dense] == pytest.approx([1.0 + shaped, 0.0])
+    # sql_env's rule: the shaping in every episode
+    every = reward.episode_rewards(act, RewardConfig(dense=True, dense_needs_answer=False), protocol="actions")
+    assert [o["reward"] for o in every] == pytest.approx([1.0 + shaped, shaped])
+
+
+def test_dense_needs_answer_ranks_a_wrong_answer_above_no_answer(small_db):
+    """The drift the rule removes: five new successful DESCRIBEs and no ANSWER vs one DESCRIBE then a
+    wrong ANSWER. sql_env's rule pays the first 5 x 0.025 = 0.125 and the second 0.025; with
+    dense_needs_answer the first gets 0.0."""
+    desc = [{"kind": "describe", "arg": f"t{i}", "ok": True, "rows": None} for i in range(5)]
+    no_answer = dict(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="",
+                     finished=False, steps=desc)
+    wrong = dict(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="SELECT b FROM t",
+                 finished=True, steps=desc[:1] + [{"kind": "answer", "arg": "SELECT b FROM t", "ok": True, "rows": None}])
+    sql_env = reward.episode_rewards([no_answer, wrong], RewardConfig(dense=True, dense_needs_answer=False),
+                                     protocol="actions")
+    assert [o["reward"] for o in sql_env] == pytest.approx([0.125, 0.025])
+    gated = reward.episode_rewards([no_answer, wrong], RewardConfig(dense=True), protocol="actions")
+    assert [o["reward"] for o in gated] == pytest.approx([0.0, 0.025])
 
 
 def test_empty_solution_scores_wrong_even_when_gold_is_empty(small_db):
