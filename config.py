@@ -120,7 +120,7 @@ class SamplingConfig:
     kv_budget_tokens: int = 1_000_000  # KV cache tokens per rank: rows run while their blocks fit
     block_size: int = 16  # tokens per KV cache block (the unit of paging and prompt sharing)
     max_rows: int = 0  # most sequences decoding at once; 0 = as many as the KV budget holds
-    cuda_graphs: bool = False  # CUDA: replay the decode forward from captured graphs (ignored on CPU)
+    cuda_graphs: bool = True  # CUDA: replay the decode forward from captured graphs (ignored on CPU)
     # decode steps run on the device between two host reads of the sampled tokens (1 = every step);
     # a row that ends its turn inside a window idles for the rest of it
     decode_steps_per_sync: int = 8
