@@ -125,7 +125,7 @@ class SamplingConfig:
     kv_budget_tokens: int = 1_000_000  # KV cache tokens per rank: rows run while their blocks fit
     block_size: int = 16  # tokens per KV cache block (the unit of paging and prompt sharing)
     max_decode_rows: int = 0  # most sequences decoding at once; 0 = as many as the KV budget holds
-    cuda_graphs: bool = False  # CUDA: replay the decode forward from captured graphs (ignored on CPU)
+    cuda_graphs: bool = True  # CUDA: replay the decode forward from captured graphs (ignored on CPU)
     # how a decode step reads the paged KV cache (paged_attention.py): flex = FlexAttention over the
     # blocks in place, gather = copy each row's blocks out then SDPA (the reference); auto = flex on CUDA
     paged_attention: str = choice("auto", "auto", "gather", "flex")

@@ -52,12 +52,33 @@ class Engine:
             raise ValueError(f"sampling.decode_steps_per_sync={cfg.decode_steps_per_sync} must be >= 1")
         n_blocks = max(1, min(-(-cfg.kv_budget_tokens // bs), sum(-(-w // bs) for w in worst_case)))
         self.cache = PagedKVCache.for_model(model, n_blocks, bs, dtype or weight.dtype, cfg.paged_attention)
-        self.blocks = BlockManager(n_blocks, bs)
-        self.scheduler = Scheduler(self.blocks, cfg.max_decode_rows, PREFILL_TOKENS)
         mirror = self.device.type == "cpu" and self.MIRROR_ON_CPU and self.cache.attention == "gather"
         self.runner = ModelRunner(model, self.cache, cfg, stopper.candidates(model.config.vocab_size), greedy=greedy,
                                   logits_hook=logits_hook, mirror=mirror)
-        self.window = 1 if logits_hook is not None else cfg.decode_steps_per_sync
+        self.reset(stopper, worst_case=worst_case, greedy=greedy, logits_hook=logits_hook)
+
+    def reset(self, stopper: StopChecker, *, worst_case: list[int], greedy: bool = False, logits_hook=None,
+              cfg=None) -> None:
+        """Start a new run (a rollout) on the same KV pool, runner and CUDA graphs: a fresh
+        scheduler and block table (the pool's contents are stale and overwritten before they are
+        read), the run's stop rules, greedy flag, logits hook and sampling config (cfg: default
+        the current; same block size), zeroed counters. A persistent
+        engine (policy_sampler.py) calls it before every rollout; the weights it reads are the
+        model's parameters in place, so graphs captured in an earlier run replay the new ones."""
+        if cfg is not None:
+            if cfg.block_size != self.cache.block_size:
+                raise ValueError(f"sampling.block_size={cfg.block_size}: the engine's pool has blocks of "
+                                 f"{self.cache.block_size}")
+            self.cfg = self.runner.cfg = cfg
+        bs, n_blocks = self.cfg.block_size, self.cache.scratch
+        if worst_case and n_blocks * bs < max(worst_case):
+            raise ValueError(f"the engine's KV pool ({n_blocks * bs} tokens) cannot hold one sequence of "
+                             f"{max(worst_case)} tokens: raise sampling.kv_budget_tokens")
+        self.stopper = stopper
+        self.blocks = BlockManager(n_blocks, bs)
+        self.scheduler = Scheduler(self.blocks, self.cfg.max_decode_rows, PREFILL_TOKENS)
+        self.runner.reset(stopper.candidates(self.model.config.vocab_size), greedy=greedy, logits_hook=logits_hook)
+        self.window = 1 if logits_hook is not None else self.cfg.decode_steps_per_sync
         # what a benchmark reads: steps, and per decode step the live rows and the blocks in use
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "live_rows": 0, "blocks_used": 0, "tokens_live": 0}
         self.steps = 0  # forwards run (the clock ToolCalls schedules by)

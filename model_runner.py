@@ -49,14 +49,19 @@ class ModelRunner:
                  logits_hook=None, mirror: bool = False):
         """cfg: config.SamplingConfig. candidates (V,) bool: tokens that may end a turn (EOS, stop
         strings). logits_hook(logits (B, V), seqs) -> logits: tests and benchmarks."""
-        self.model, self.cache, self.cfg, self.greedy, self.hook = model, cache, cfg, greedy, logits_hook
+        self.model, self.cache, self.cfg, self.mirror = model, cache, cfg, mirror
         self.device = cache.k.device
-        self.candidates = candidates.to(self.device)
-        self.rows = DecodeRows(self.device, cache.block_size, cache.scratch, mirror=mirror)
+        self.reset(candidates, greedy=greedy, logits_hook=logits_hook)
         self.graphs = None
         if cfg.cuda_graphs and self.device.type == "cuda":
             from cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(model, cache, max_blocks=-(-cfg.max_context // cache.block_size))
+
+    def reset(self, candidates: torch.Tensor, *, greedy: bool = False, logits_hook=None) -> None:
+        """A new run: its turn-end candidates, greedy flag and hook; no device rows (the graphs stay)."""
+        self.greedy, self.hook = greedy, logits_hook
+        self.candidates = candidates.to(self.device)
+        self.rows = DecodeRows(self.device, self.cache.block_size, self.cache.scratch, mirror=self.mirror)
 
     def sample(self, logits, keys, positions, seqs):
         """tokens (B,), logprobs (B,) for logits (B, V); positions: the sampled tokens' indices."""

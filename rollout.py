@@ -23,6 +23,7 @@ Benchmarks: bench/sampler.py, bench/multiturn.py, bench/rollout_scale.py
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -142,19 +143,29 @@ def max_turns(env_cfg) -> int:
 
 
 def rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root, *, n: int = 1, seed: int = 0,
-            greedy: bool = False, dtype=None, logits_hook=None, stats: dict | None = None) -> list[Trajectory]:
+            greedy: bool = False, dtype=None, logits_hook=None, stats: dict | None = None,
+            engine: Engine | None = None) -> list[Trajectory]:
     """Multi-turn episodes, n samples per example (example-major: index i*n + j is sample j of
     example i). Each example needs db_path (absolute or relative to db_root) + what
     prompts.build_messages reads (question, evidence, ...). dtype: the KV cache's (the compute
     dtype; default the parameters'). stats: a dict to fill with engine_counters (prefilled
-    tokens, peak blocks, ...). Returns P*n Trajectories."""
+    tokens, peak blocks, ...). engine: a persistent Engine on `model` (policy_sampler.py) reset and
+    reused, its pool, buffers and graphs kept; default a new one for this rollout, freed after.
+    Returns P*n Trajectories."""
     import env
     prompts = [render_prompt(tokenizer, ex, data_cfg, env_cfg.protocol, db_root) for ex in examples]
     dbs = [dataset.abs_db_path(ex, db_root) for ex in examples]
     trajs = [Trajectory.start(p, row_key(seed, i * n + j), i, j, i * n + j) for i, p in enumerate(prompts) for j in range(n)]
     stopper = StopChecker(tokenizer, env.STOP_STRINGS[env_cfg.protocol], eos_ids(tokenizer), model.config.vocab_size)
-    with Engine(model, sampling_cfg, stopper, worst_case=[_worst_case(t, env_cfg, sampling_cfg) for t in trajs],
-                greedy=greedy, dtype=dtype, logits_hook=logits_hook) as engine, ToolCalls(env_cfg) as tools:
+    worst = [_worst_case(t, env_cfg, sampling_cfg) for t in trajs]
+    if engine is None:
+        run = Engine(model, sampling_cfg, stopper, worst_case=worst, greedy=greedy, dtype=dtype, logits_hook=logits_hook)
+    else:
+        if engine.model is not model:
+            raise ValueError("rollout: a persistent engine samples its own model: pass engine.model")
+        engine.reset(stopper, worst_case=worst, greedy=greedy, logits_hook=logits_hook, cfg=sampling_cfg)
+        run = contextlib.nullcontext(engine)
+    with run as engine, ToolCalls(env_cfg) as tools:
         _continue(engine, [(t, []) for t in trajs], sampling_cfg.max_context)  # one add: a prompt's n share its prefill
         while engine.busy() or tools.busy():
             returning = []

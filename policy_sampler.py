@@ -1,0 +1,113 @@
+"""The policy's sampler for a whole run: an inference copy of the weights and one engine, kept.
+
+    sampler = PolicySampler(model, sampling_cfg, dtype=torch.bfloat16)  # model: the trained one
+    sampler.refresh(model)                     # after every update: weights copied in place
+    trajs = sampler.rollout(tok, examples, env_cfg, data_cfg, db_root, n=5, seed=step)
+
+The trained model is FSDP2-sharded (fp32 masters, maybe LoRA adapters); sampling on it would
+gather every unit for the rollout and rebuild the engine (KV pool, buffers, CUDA graphs) each
+time. The sampler instead keeps a plain model.Transformer in the compute dtype (no FSDP2 hooks,
+so CUDA graphs are captured on it once per (batch, blocks) bucket for the run) and one
+engine.Engine whose KV pool holds sampling.kv_budget_tokens tokens, allocated once; every rollout
+resets the engine's scheduler and blocks and reuses the rest.
+
+refresh() is the one unshard-and-merge path for rollouts: it gathers the FSDP2 units one at a
+time (root, then each block: the peak is one unit gathered on top of the copy), folds LoRA
+adapters into their base weights with lora.merge's math (W + (scaling B A in fp32) rounded to W's
+dtype once) and copies into the copy's parameters in place (their addresses, which captured
+graphs read, never change). A model without FSDP2 is copied the same way.
+
+Memory: one compute-dtype copy of the weights per rank (7B in bf16: ~15 GB) on top of the
+trainer's shards, plus the KV pool (sampling.kv_budget_tokens x the model's KV bytes per token).
+Tests: .venv/bin/pytest tests/test_policy_sampler.py
+"""
+from __future__ import annotations
+
+import torch
+
+import lora
+from distributed import fsdp_modules
+from engine import Engine
+from model import Transformer
+from sampling import StopChecker
+
+
+class PolicySampler:
+    def __init__(self, model, cfg, *, dtype: torch.dtype | None = None, device=None):
+        """model: the trained model (FSDP2 or plain, LoRA or not): its config, buffers and weights
+        (call refresh before sampling). cfg: config.SamplingConfig (its block size and KV budget
+        size the pool). dtype: the compute dtype (default: the model's first parameter's)."""
+        first = next(model.parameters())
+        self.device = torch.device(device) if device is not None else _local(first).device
+        self.dtype = dtype or first.dtype
+        with torch.device("meta"):
+            copy = Transformer(model.config)
+        copy = copy.to_empty(device=self.device)
+        if model.config.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
+            copy.lm_head.weight = copy.embed_tokens.weight
+        for p in copy.parameters():
+            p.data = p.data.to(self.dtype)
+        copy.fp32_lm_head = getattr(model, "fp32_lm_head", False)
+        self.model = copy.eval().requires_grad_(False)
+        self.cfg = cfg
+        # the pool: the whole budget, allocated once (an empty stop rule until the first rollout)
+        self.engine = Engine(self.model, cfg, StopChecker(None, [], []), worst_case=[cfg.kv_budget_tokens],
+                             dtype=self.dtype)
+        self.refreshed = False
+
+    @torch.no_grad()
+    def refresh(self, model) -> None:
+        """Copy the trained model's current weights (adapters merged) into the inference copy."""
+        dst = dict(self.model.named_parameters())
+        for name, buf in self.model.named_buffers():
+            buf.copy_(_local(model.get_buffer(name)))
+        adapters = {f"{n}.weight": layer for n, layer in lora.lora_layers(model).items()}
+        units = fsdp_modules(model)
+        prefixes = {m: n for n, m in model.named_modules() if m in units} if units else {model: ""}
+        for unit, prefix in prefixes.items():
+            own = _own_parameters(unit, prefix, prefixes)
+            if units:
+                unit.unshard()
+            try:
+                for name, param in own(unit):
+                    if ".lora_A." in name or ".lora_B." in name:
+                        continue
+                    if name not in dst:
+                        raise KeyError(f"refresh: {name} has no parameter in the inference model")
+                    target = dst[name]
+                    target.copy_(param.detach())
+                    if name in adapters and not adapters[name].merged:
+                        target.add_(adapters[name].delta_weight().to(target.dtype))
+            finally:
+                if units:
+                    unit.reshard()
+        self.refreshed = True
+
+    def rollout(self, tokenizer, examples, env_cfg, data_cfg, db_root, *, sampling_cfg=None, n: int = 1,
+                seed: int = 0, greedy: bool = False, logits_hook=None, stats: dict | None = None):
+        """rollout.rollout on the inference copy through the kept engine. sampling_cfg: this
+        rollout's (e.g. an eval temperature; default the sampler's); same block size."""
+        import rollout
+        if not self.refreshed:
+            raise RuntimeError("PolicySampler.rollout before refresh(model): the copy holds no weights")
+        return rollout.rollout(self.model, tokenizer, examples, env_cfg, sampling_cfg or self.cfg, data_cfg, db_root,
+                               n=n, seed=seed, greedy=greedy, logits_hook=logits_hook, stats=stats,
+                               engine=self.engine)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _own_parameters(unit, prefix: str, prefixes: dict):
+    """A function giving (full name, parameter) of the unit's own parameters (not those of a
+    nested unit), read after unshard (FSDP2 swaps in the gathered tensors)."""
+    nested = [p for m, p in prefixes.items() if m is not unit and (prefix == "" or p.startswith(prefix + "."))]
+    head = prefix + "." if prefix else ""
+
+    def own(module):
+        for name, param in module.named_parameters():
+            full = head + name
+            if not any(full.startswith(p + ".") for p in nested):
+                yield full, param
+    return own
