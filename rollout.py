@@ -37,10 +37,10 @@ from scheduler import Sequence
 
 @dataclass
 class Trajectory:
+    """One episode. Its token state is its engine Sequence (`seq`, the one object the engine and
+    this episode share): ids, loss_mask and logprobs read it. The other fields are the episode's."""
     prompt_ids: list[int]
-    ids: list[int]  # prompt + all turns (sampled, observation and template tokens)
-    loss_mask: list[int]  # aligned to ids: 1 exactly on sampled tokens (incl. stop string, EOS)
-    logprobs: list[float]  # aligned to ids: log softmax(logits/T) of sampled tokens, 0 elsewhere
+    seq: Sequence = field(repr=False)  # ids, loss_mask, logprobs, turn_start, ... (scheduler.py)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each turn in ids
     num_turns: int = 0
     num_tool_calls: int = 0
@@ -51,12 +51,32 @@ class Trajectory:
     steps: list[dict] = field(default_factory=list)  # per env step: env.step_record (kind, arg, ok, rows)
     index: int = 0  # example index (rollout) or prompt index (generate)
     sample: int = 0  # sample index within the example's group
-    seq: Sequence | None = field(default=None, repr=False)  # the engine's state while it runs
+
+    @property
+    def ids(self) -> list[int]:  # prompt + all turns (sampled, observation and template tokens)
+        return self.seq.ids
+
+    @property
+    def loss_mask(self) -> list[int]:  # aligned to ids: 1 exactly on sampled tokens (incl. stop string, EOS)
+        return self.seq.loss_mask
+
+    @property
+    def logprobs(self) -> list[float]:  # aligned to ids: log softmax(logits/T) of sampled tokens, 0 elsewhere
+        return self.seq.logprobs
 
     @classmethod
     def start(cls, prompt: list[int], key: int, index: int, sample: int, position: int) -> "Trajectory":
-        seq = Sequence(list(prompt), key=key, index=position)
-        return cls(list(prompt), seq.ids, seq.loss_mask, seq.logprobs, index=index, sample=sample, seq=seq)
+        return cls(list(prompt), Sequence(list(prompt), key=key, index=position), index=index, sample=sample)
+
+    @classmethod
+    def of(cls, prompt_ids: list[int], ids: list[int], loss_mask: list[int], logprobs: list[float],
+           **episode) -> "Trajectory":
+        """A finished episode from its token lists (tests, benchmarks)."""
+        return cls(list(prompt_ids), Sequence(ids, key=0, loss_mask=loss_mask, logprobs=logprobs), **episode)
+
+    def done(self) -> None:
+        """The engine is through with it: drop what only the engine needed (blocks, followers)."""
+        self.seq.block_table, self.seq.followers = [], []
 
 
 # -----------------------------------------------------------------------------
@@ -129,7 +149,7 @@ def generate(model, prompts: list[list[int]], cfg, stop_strings, tokenizer, *, s
         t.num_turns, t.stop_reason = t.seq.num_turns, t.seq.stop_reason or "max_context"
         t.turn_spans = [(t.seq.turn_start, len(t.ids))] if t.num_turns else []
         t.text = tokenizer.decode(t.ids[len(t.prompt_ids):]) if tokenizer is not None else ""
-        t.seq = None
+        t.done()
     return trajs
 
 
@@ -187,7 +207,8 @@ def rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root
         if stats is not None:
             stats.update(engine_counters(engine))
     for t in trajs:
-        t.num_turns, t.text, t.seq = t.seq.num_turns, tokenizer.decode(t.ids[len(t.prompt_ids):]), None
+        t.num_turns, t.text = t.seq.num_turns, tokenizer.decode(t.ids[len(t.prompt_ids):])
+        t.done()
     return trajs
 
 

@@ -90,7 +90,7 @@ def grpo_batch(prompts, data, n_prompts: int, G: int, seed: int) -> list[Traject
             ids, mask = data[rng.randrange(len(data))]
             first = mask.index(1)  # the response starts at the first model-side token
             full, loss_mask = list(p) + ids[first:], [0] * len(p) + mask[first:]
-            out.append(Trajectory(list(p), full, loss_mask, [-rng.random() if m else 0.0 for m in loss_mask]))
+            out.append(Trajectory.of(list(p), full, loss_mask, [-rng.random() if m else 0.0 for m in loss_mask]))
     return out
 
 

@@ -209,7 +209,8 @@ def answers_for(ex):
 
 def stub_rollout(plan):
     """plan[example id] = kinds of its samples (None = no solution). Episodes are example-major."""
-    def fake(model, tok, exs, env_cfg, sampling_cfg, data_cfg, db_root, *, n=1, seed=0, greedy=False, dtype=None):
+    def fake(model, tok, exs, env_cfg, sampling_cfg, data_cfg, db_root, *, n=1, seed=0, greedy=False, dtype=None,
+             engine=None):
         out = []
         for ex in exs:
             for kind in plan[ex["id"]][:n]:
@@ -219,10 +220,10 @@ def stub_rollout(plan):
                     sql = answers_for(ex)[kind]
                     text = f"<think>ok</think>\n<solution>{sql}</solution>"
                 ids = tok.encode(text)
-                out.append(Trajectory(prompt_ids=[], ids=ids, loss_mask=[1] * len(ids), logprobs=[0.0] * len(ids),
-                                      turn_spans=[(0, len(ids))], num_turns=1, final_sql=sql.strip(),
-                                      stop_reason="solution" if kind else "max_turns", finished=kind is not None,
-                                      text=text))
+                out.append(Trajectory.of([], ids, [1] * len(ids), [0.0] * len(ids),
+                                         turn_spans=[(0, len(ids))], num_turns=1, final_sql=sql.strip(),
+                                         stop_reason="solution" if kind else "max_turns", finished=kind is not None,
+                                         text=text))
         return out
     return fake
 
