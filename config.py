@@ -375,8 +375,10 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 
 
 def from_dict(d: dict) -> Config:
-    """Rebuild a Config from to_dict() output (e.g. a checkpoint's config.yaml)."""
-    return apply(Config(), _flatten_yaml(d, "<dict>"))
+    """Rebuild a Config from to_dict() output (e.g. a checkpoint's config.yaml). A key renamed
+    since the checkpoint was written is read under its new name, so older runs still resume."""
+    flat = {RENAMED.get(k, k): v for k, v in _flatten_yaml(d, "<dict>").items()}
+    return apply(Config(), flat)
 
 
 # keys a resumed run may change: length, cadence, output and logging, never the recipe

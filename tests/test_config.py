@@ -55,6 +55,18 @@ def test_renamed_key_names_the_new_key(old, new, tmp_path):
             C.load_config(args)
 
 
+def test_a_checkpoint_written_before_a_rename_still_loads():
+    """A checkpoint's saved config (C.from_dict) is a record of a past run, not a user's typo: its
+    old keys are read under their new names, values kept, so the run resumes after a rename."""
+    saved = C.to_dict(C.Config())
+    for i, (old, new) in enumerate(sorted(C.RENAMED.items())):
+        group, name = old.split(".")
+        saved[group].pop(new.split(".")[1])
+        saved[group][name] = 7 + i
+    cfg = C.all_keys(C.from_dict(saved))
+    assert [cfg[new] for _, new in sorted(C.RENAMED.items())] == [7 + i for i in range(len(C.RENAMED))]
+
+
 def test_unknown_key_in_yaml_and_bad_choice(tmp_path):
     with pytest.raises(C.ConfigError, match="grpo.clip_hihg.*grpo.clip_high"):
         C.load_config([write(tmp_path, "grpo:\n  clip_hihg: 0.2\n")])
