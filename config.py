@@ -158,6 +158,11 @@ class GRPOConfig:
     rollout_is_high: float = 5.0
     rollout_is_delta: float = 0.01
     dynamic_sampling: bool = False  # drop all-equal groups and refill
+    # what must differ within a group for it to be kept: reward (any difference, shaping included)
+    # or exec_match (some samples right, some wrong: DAPO's accuracy filter). With dense shaping,
+    # reward keeps all-wrong groups whose advantages are the shaping's small differences scaled up
+    # to unit size by the group's std
+    dynamic_sampling_metric: str = choice("reward", "reward", "exec_match")
     max_resample_rounds: int = 3
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per rollout batch per epoch

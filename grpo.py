@@ -71,9 +71,18 @@ def advantages(rewards: Tensor, group_size: int, mode: str = "group", eps: float
     return (centered / (std + eps)).view(-1)
 
 
+def dynamic_sampling_scores(rewards: list[dict], metric: str) -> Tensor:
+    """(N,) float: what dynamic sampling compares within a group, per episode: its reward
+    (shaping included) or its exec_match (0/1: DAPO's accuracy filter). rewards: the dicts
+    reward.episode_rewards returns."""
+    assert metric in ("reward", "exec_match"), metric
+    return torch.tensor([float(r[metric]) for r in rewards])
+
+
 def keep_mask_dynamic(rewards: Tensor, group_size: int) -> Tensor:
     """(P,) bool: True for groups whose rewards are not all equal (DAPO dynamic sampling).
-    An all-equal group has zero advantage in every mode, so it only dilutes the batch."""
+    An all-equal group has zero advantage in every mode, so it only dilutes the batch.
+    rewards: (P * group_size,) the rewards, or any per-episode score to filter on (exec_match)."""
     r = rewards.view(-1, group_size)
     return (r != r[:, :1]).any(dim=1)
 

@@ -448,7 +448,8 @@ def main():
             reps = [ex for ex in batch for _ in range(G)]
             seen_t, seen_r, seen_x = seen_t + round_trajs, seen_r + round_rewards, seen_x + reps
             if cfg.grpo.dynamic_sampling:
-                keep = grpo.keep_mask_dynamic(torch.tensor([r["reward"] for r in round_rewards]), G)
+                scores = grpo.dynamic_sampling_scores(round_rewards, cfg.grpo.dynamic_sampling_metric)
+                keep = grpo.keep_mask_dynamic(scores, G)
                 keep = keep.repeat_interleave(G).tolist()
                 round_trajs, round_rewards, reps = ([x for x, k in zip(xs, keep) if k]
                                                     for xs in (round_trajs, round_rewards, reps))

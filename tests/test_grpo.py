@@ -116,6 +116,18 @@ def test_dynamic_keep():
     assert keep_mask_dynamic(torch.tensor([2.0, 2.0, 2.0]), 3).tolist() == [False]
 
 
+def test_dynamic_sampling_on_exec_match_drops_all_wrong_groups_that_differ_only_in_shaping():
+    """Dense shaping makes an all-wrong group's rewards differ (0.025 vs 0.075): kept when the
+    filter compares rewards, dropped when it compares exec_match; a group with a right answer is
+    kept by both. Group 1: all wrong, shaping only; group 2: one right."""
+    import grpo
+    episodes = [{"reward": 0.025, "exec_match": False}, {"reward": 0.075, "exec_match": False},
+                {"reward": 1.05, "exec_match": True}, {"reward": 0.05, "exec_match": False}]
+    by_reward = keep_mask_dynamic(grpo.dynamic_sampling_scores(episodes, "reward"), 2)
+    by_match = keep_mask_dynamic(grpo.dynamic_sampling_scores(episodes, "exec_match"), 2)
+    assert by_reward.tolist() == [True, True] and by_match.tolist() == [False, True]
+
+
 # -----------------------------------------------------------------------------
 # the clipped surrogate
 
