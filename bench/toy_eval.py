@@ -8,8 +8,9 @@ the records' `lookup_sql` (data/prepare_toy.py: non-empty = the question names a
 database stores as a code, so only a lookup shows the right literal). Prints one JSON line:
 EX overall / on tool questions / on refine questions (the tool questions whose natural lookup
 returns no rows: `first_lookup_sql`) / on direct questions, tool calls per episode on each kind, how
-often a tool question's final query has the code's word right (the digits come from the lookup), and
-the error-recovery rate (episodes whose first query failed or returned no rows, still right).
+often a tool question's final query has the code's word right (the digits come from the lookup), how
+many tool answers use LIKE (which matches the code without the lookup) and how many of those are right,
+and the error-recovery rate (episodes whose first query failed or returned no rows, still right).
 """
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ def breakdown(traces: list[dict], records: list[dict]) -> dict:
     tool = [t for t in traces if needs[t["id"]]]
     word = lambda t: re.findall(r"'(?:[a-z]{2}_)?([A-Za-z]+)\d", gold[t["id"]])[0]  # noqa: E731 ('st_pending7')
     out["tool_word_right"] = round(100 * sum(word(t) in t["prediction"] for t in tool) / max(1, len(tool)), 1)
+    # a LIKE in the answer matches the stored code without reading the lookup ('%Athens%' finds
+    # 'ci_Athens9'): how many tool answers take that route, and how many of those are right
+    wildcard = [t for t in tool if " LIKE " in (t["prediction"] or "").upper()]
+    out["tool_answers_like"] = len(wildcard)
+    out["tool_right_like"] = sum(t["exec_match"] for t in wildcard)
     # a first query that failed or returned nothing, and the episode still ended right
     first_bad = [t for t in traces if t["first_query_bad"]]  # eval.py generate sets it per episode
     out["first_query_bad"] = len(first_bad)
