@@ -308,8 +308,8 @@ def episode_rewards(episodes: list[dict], cfg: RewardConfig, protocol: str = "ta
     out = []
     for e, (fmt_ok, why), (match, err) in zip(episodes, fmts, matches):
         err = err if fmt_ok else why
-        if protocol == "tags" and not fmt_ok:
-            reward = cfg.format_error
+        if not fmt_ok:  # tags: malformed (format_error); actions: no ANSWER within the budget (no_answer)
+            reward = cfg.format_error if protocol == "tags" else cfg.no_answer
         else:
             reward = cfg.correct if match else cfg.wrong
         # an episode without an ANSWER gets no shaping under dense_needs_answer (see RewardConfig)

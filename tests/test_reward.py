@@ -290,6 +290,12 @@ def test_episode_rewards_tags_and_actions(small_db):
     # sql_env's rule: the shaping in every episode
     every = reward.episode_rewards(act, RewardConfig(dense=True, dense_needs_answer=False), protocol="actions")
     assert [o["reward"] for o in every] == pytest.approx([1.0 + shaped, shaped])
+    # reward.no_answer: an episode without an ANSWER scores it (plus the shaping under sql_env's rule)
+    penalised = reward.episode_rewards(act, RewardConfig(no_answer=-1.0), protocol="actions")
+    assert [o["reward"] for o in penalised] == [1.0, -1.0]
+    every = reward.episode_rewards(act, RewardConfig(dense=True, dense_needs_answer=False, no_answer=-1.0),
+                                   protocol="actions")
+    assert [o["reward"] for o in every] == pytest.approx([1.0 + shaped, -1.0 + shaped])
 
 
 def test_dense_needs_answer_ranks_a_wrong_answer_above_no_answer(small_db):
