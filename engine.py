@@ -165,10 +165,17 @@ class Engine:
         """A decode window's tokens: row b sampled window.new[b] tokens; only a row the device
         stopped can have ended its turn (its last token)."""
         ended = []
+        steps = len(window.tokens[0]) if seqs else 0
+        ones = [1] * steps
         for s, tokens, logps, n, stopped in zip(seqs, window.tokens, window.logprobs, window.new, window.stopped):
-            s.ids.extend(tokens[:n])
-            s.logprobs.extend(logps[:n])
-            s.loss_mask.extend([1] * n)
+            if n == steps:  # most rows: the whole window, no slices copied
+                s.ids += tokens
+                s.logprobs += logps
+                s.loss_mask += ones
+            else:
+                s.ids += tokens[:n]
+                s.logprobs += logps[:n]
+                s.loss_mask += ones[:n]
             s.num_cached += n
             if stopped and self._turn_end(s):
                 ended.append(s)

@@ -131,22 +131,21 @@ class Scheduler:
         if batch.seqs:
             return batch
         # decode: step j writes the K/V of each running sequence's token at num_cached + j, up to
-        # the second-to-last token its turn may sample (the last one is never written in its turn)
-        def reach(s, n):
-            return min(s.num_cached + n, s.turn_start + s.budget - 1)
-
-        def needed(n):
-            return sum(self.blocks.needed(s.block_table, s.num_cached, reach(s, n)) for s in self.running)
-
-        if steps > 1 and self.blocks.num_free < needed(steps):
+        # the second-to-last token its turn may sample (the last one is never written in its turn).
+        # One pass over the rows finds those that need blocks (most need none in a given window);
+        # only they are grown, in running order (the same blocks as growing every row).
+        grow, need = self._decode_needs(steps)
+        if steps > 1 and self.blocks.num_free < need:
             steps = 1
-        while self.running and self.blocks.num_free < needed(1):
+            grow, need = self._decode_needs(1)
+        while self.running and self.blocks.num_free < need:
             self._evict_latest(keep=())
+            grow, need = self._decode_needs(1)
         if not self.running:  # nothing to decode (or everything was evicted): prefill instead
             batch = self._prefill()
             return batch if batch.seqs else None
-        for s in self.running:
-            self.blocks.grow(s.block_table, s.num_cached, reach(s, steps))
+        for s, reach in grow:
+            self.blocks.grow(s.block_table, s.num_cached, reach)
         return Batch("decode", list(self.running), steps=steps)
 
     def _prefill(self) -> Batch:
@@ -184,6 +183,24 @@ class Scheduler:
                 del self.new_groups[tuple(lead.ids)]  # prefilled: a later identical prompt starts a new group
             lead.followers = group[1:]
         return batch
+
+    def _decode_needs(self, steps: int) -> tuple[list[tuple[Sequence, int]], int]:
+        """([(row, tokens its table must cover)] for the running rows a decode window of `steps`
+        steps takes blocks for, the blocks they take in all): BlockManager.needed inlined, one
+        pass over the rows."""
+        bs, refs = self.blocks.block_size, self.blocks.refs
+        grow, total = [], 0
+        for s in self.running:
+            written, table = s.num_cached, s.block_table
+            reach = min(written + steps, s.turn_start + s.budget - 1)
+            n = -(-reach // bs) - len(table)
+            n = n if n > 0 else 0
+            if reach > written and written % bs and refs[table[written // bs]] > 1:
+                n += 1  # the partly filled last block is shared: copied on write
+            if n:
+                grow.append((s, reach))
+                total += n
+        return grow, total
 
     def _evict_latest(self, keep: tuple) -> None:
         """Evict the most recently admitted sequence holding blocks (not one of `keep`)."""

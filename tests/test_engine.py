@@ -385,3 +385,49 @@ def test_decode_windows_with_cuda_graphs_match_eager_on_cuda(tok_model):
     assert [t.ids for t in graphs] == [t.ids for t in eager]
     for a, b in zip(graphs, eager):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+def test_decode_window_reservation_equals_growing_every_row():
+    """Scheduler._decode_needs (one pass, only rows that take blocks are grown) reserves exactly
+    what growing every running row with BlockManager.grow reserves: the same count (summed
+    needed(), an upper bound), the same tables, the same copy-on-write pairs."""
+    from block_manager import BlockManager
+    from scheduler import Scheduler, Sequence
+
+    rnd = random.Random(0)
+    for trial in range(200):
+        bs = rnd.choice([1, 2, 4, 16])
+        states = []
+        for _ in range(2):  # the same random state twice: one per way of growing
+            r = random.Random(trial)
+            blocks = BlockManager(4096, bs)
+            sched = Scheduler(blocks)
+            lead = None
+            for i in range(r.randint(1, 12)):
+                n = r.randint(1, 40)
+                s = Sequence(list(range(n)), key=i, index=i)
+                if lead is not None and r.random() < 0.4:  # a sample sharing a prompt's blocks
+                    s.ids = list(lead.ids)
+                    s.block_table, s.num_cached = blocks.share(lead.block_table), lead.num_cached
+                else:
+                    blocks.grow(s.block_table, 0, n)
+                    s.num_cached = n
+                    lead = s
+                s.turn_start, s.budget = len(s.ids), r.randint(1, 20)
+                s.status = "running"
+                sched.running.append(s)
+            states.append((blocks, sched))
+        steps = rnd.randint(1, 9)
+        (b1, s1), (b2, s2) = states
+        grow, need = s1._decode_needs(steps)
+        assert need == sum(b2.needed(s.block_table, s.num_cached, min(s.num_cached + steps, s.turn_start + s.budget - 1))
+                           for s in s2.running)
+        free = b1.num_free, b2.num_free
+        for s, reach in grow:
+            b1.grow(s.block_table, s.num_cached, reach)
+        for s in s2.running:
+            b2.grow(s.block_table, s.num_cached, min(s.num_cached + steps, s.turn_start + s.budget - 1))
+        taken = free[0] - b1.num_free
+        assert taken == free[1] - b2.num_free and taken <= need  # rows sharing a tail: only the first copies
+        assert [s.block_table for s in s1.running] == [s.block_table for s in s2.running]
+        assert b1.pending_copies() == b2.pending_copies() and b1.refs == b2.refs
