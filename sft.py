@@ -251,7 +251,7 @@ def sft_loss_sum(model, seqs, temperature: float = 1.0, row_tokens: int = 0):
 def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate):
     """LoRA runs: SFT the full model, then write it to <out_dir>/base (HF folder), the frozen
     base the adapters train on. Written to a temporary folder and renamed (a kill leaves none).
-    evaluate: train.evaluate, as run_sft takes it."""
+    evaluate: episodes.evaluate, as run_sft takes it."""
     full = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32, device=device)
     full.set_activation_checkpointing(cfg.model.activation_checkpointing)
     full.fp32_lm_head = cfg.model.fp32_lm_head
@@ -272,7 +272,7 @@ def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, evalu
 
 def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate):
     """Warm start on gold trajectories (loss on model-side tokens only, token-mean over the batch).
-    evaluate: train.evaluate(model, tok, exs, cfg, rank, world, device, log, step, prefix) -> metrics,
+    evaluate: episodes.evaluate(model, tok, exs, cfg, rank, world, device, log, step, prefix) -> metrics,
     for sft.eval_every and the sft.stop_at_train_ex check; log: train.Log."""
     s = cfg.sft
     t0 = time.time()

@@ -7,7 +7,7 @@ No network. Tests and the embedded default config use these instead of a real ch
 
 The tokenizer is trained with Qwen2's own pre-tokenizer (NFC + Qwen's regex split + ByteLevel
 without its regex): for a folder whose config says qwen2, AutoTokenizer returns Qwen2Tokenizer,
-which rebuilds exactly that pre-tokenizer, so ids only agree if training used it (GUIDE §6).
+which rebuilds exactly that pre-tokenizer, so ids only agree if training used it.
 Protocol tags (<think>, <sql>, ...) are plain text, as in Qwen, but are put in the corpus so
 they merge into few tokens. eos = <|im_end|>, pad = <|endoftext|>.
 Tests: .venv/bin/pytest tests/test_tiny.py
@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -178,6 +179,50 @@ def build_tiny(out_dir, texts=None, vocab_size: int = 1024, **model_kw) -> str:
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": ids["eos_token_id"], "pad_token_id": ids["pad_token_id"]}, f)
     return str(out_dir)
+
+
+# -----------------------------------------------------------------------------
+# a run's assets (train.py, sweep.py, tests, benchmarks)
+
+
+def prepare_assets(cfg):
+    """Rank 0 of a run (cfg: config.Config): build the toy data and the tiny model if the config asks
+    and they are absent (data.prepare_toy, model.build_tiny)."""
+    if cfg.data.prepare_toy and not Path(cfg.data.train_path).exists():
+        import sys
+        sys.path.insert(0, str(Path(__file__).parent / "data"))
+        from prepare_toy import prepare_toy
+        print(f"building the toy set in {cfg.data.db_root}", flush=True)
+        prepare_toy(cfg.data.db_root, seed=cfg.data.toy_seed)
+    if not (Path(cfg.model.path) / "config.json").exists():
+        if not cfg.model.build_tiny:
+            raise FileNotFoundError(f"model.path {cfg.model.path} has no config.json (and model.build_tiny is false)")
+        m = cfg.model
+        texts = tokenizer_corpus(cfg)
+        print(f"building a tiny {m.tiny_family} model + tokenizer in {m.path}", flush=True)
+        build_tiny(m.path, texts, vocab_size=m.tiny_vocab_size, family=m.tiny_family,
+                        hidden_size=m.tiny_hidden_size, layers=m.tiny_layers, heads=m.tiny_heads,
+                        kv_heads=m.tiny_kv_heads, intermediate_size=m.tiny_intermediate_size, seed=cfg.train.seed)
+
+
+def tokenizer_corpus(cfg) -> list[str]:
+    """Text the tiny tokenizer is trained on: rendered prompts, gold SQL, the protocol strings."""
+    import dataset
+    import prompts
+    import sft
+    exs = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
+    texts = []
+    if cfg.env.protocol == "actions":  # the warm start's own turns and observations (DESCRIBE's tables)
+        texts += sft.gold_texts(exs, cfg, [dataset.abs_db_path(ex, cfg.data.db_root) for ex in exs])
+    for ex in exs:
+        for msg in prompts.build_messages(ex, cfg.data.db_root, cfg.data, cfg.env.protocol):
+            texts.append(msg["content"])
+        texts.append(f"<think>{cfg.sft.think_text}</think>\n<sql>{ex['gold_sql']}</sql>")
+        for look in (ex.get("first_lookup_sql"), ex.get("lookup_sql")):  # the toy set's tool turns:
+            if look:                                                    # their words ("LIKE") get tokens too
+                texts.append(f"<sql>{look}</sql>")
+        texts.append(f"<solution>{ex['gold_sql']}</solution>")
+    return texts
 
 
 def main(argv=None):

@@ -11,11 +11,9 @@ Process group, FSDP2 sharding and the collectives live in distributed.py.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import sys
 import time
-import weakref
 from pathlib import Path
 
 import torch
@@ -25,20 +23,19 @@ import baseline
 import checkpoint
 import config as C
 import dataset
-import eval as eval_lib
 import grpo
 import lora
 import optim
 import packing
 import plot
-import reward
 import rollout
+import episodes
 import samples
 import sft
-from distributed import (PeakMemory, all_gather_list, all_max, all_sum, compute_dtype, memory_estimate,
+import tiny
+from distributed import (PeakMemory, all_gather_list, all_sum, compute_dtype, memory_estimate,
                          param_count, setup_dist, shard)
 from model import Transformer
-from policy_sampler import PolicySampler
 
 # -----------------------------------------------------------------------------
 # logging
@@ -74,43 +71,6 @@ class Log:
 
 # -----------------------------------------------------------------------------
 # data and prompts
-
-
-def prepare_assets(cfg: C.Config):
-    """Rank 0: build the toy data and the tiny model if the config asks and they are absent."""
-    if cfg.data.prepare_toy and not Path(cfg.data.train_path).exists():
-        sys.path.insert(0, str(Path(__file__).parent / "data"))
-        from prepare_toy import prepare_toy
-        print(f"building the toy set in {cfg.data.db_root}", flush=True)
-        prepare_toy(cfg.data.db_root, seed=cfg.data.toy_seed)
-    if not (Path(cfg.model.path) / "config.json").exists():
-        if not cfg.model.build_tiny:
-            raise FileNotFoundError(f"model.path {cfg.model.path} has no config.json (and model.build_tiny is false)")
-        import tiny
-        m = cfg.model
-        texts = tokenizer_corpus(cfg)
-        print(f"building a tiny {m.tiny_family} model + tokenizer in {m.path}", flush=True)
-        tiny.build_tiny(m.path, texts, vocab_size=m.tiny_vocab_size, family=m.tiny_family,
-                        hidden_size=m.tiny_hidden_size, layers=m.tiny_layers, heads=m.tiny_heads,
-                        kv_heads=m.tiny_kv_heads, intermediate_size=m.tiny_intermediate_size, seed=cfg.train.seed)
-
-
-def tokenizer_corpus(cfg: C.Config) -> list[str]:
-    """Text the tiny tokenizer is trained on: rendered prompts, gold SQL, the protocol strings."""
-    import prompts
-    exs = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
-    texts = []
-    if cfg.env.protocol == "actions":  # the warm start's own turns and observations (DESCRIBE's tables)
-        texts += sft.gold_texts(exs, cfg, [dataset.abs_db_path(ex, cfg.data.db_root) for ex in exs])
-    for ex in exs:
-        for msg in prompts.build_messages(ex, cfg.data.db_root, cfg.data, cfg.env.protocol):
-            texts.append(msg["content"])
-        texts.append(f"<think>{cfg.sft.think_text}</think>\n<sql>{ex['gold_sql']}</sql>")
-        for look in (ex.get("first_lookup_sql"), ex.get("lookup_sql")):  # the toy set's tool turns:
-            if look:                                                    # their words ("LIKE") get tokens too
-                texts.append(f"<sql>{look}</sql>")
-        texts.append(f"<solution>{ex['gold_sql']}</solution>")
-    return texts
 
 
 def load_split(path: str, limit: int, tok, cfg: C.Config, log: "Log", name: str) -> list[dict]:
@@ -150,24 +110,6 @@ class PromptStream:
 
 # -----------------------------------------------------------------------------
 # the update
-
-
-def pack(lengths: list[int], budget: int) -> list[list[int]]:
-    """Micro-batches of sequence indices, longest first, padded size ≤ budget tokens (≥ 1 seq each).
-    The padded per-sequence layout: kept as the reference the packed path is measured against."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    mbs, cur = [], []
-    for i in order:
-        if cur and lengths[cur[0]] * (len(cur) + 1) > budget:
-            mbs.append(cur)
-            cur = []
-        cur.append(i)
-    return mbs + ([cur] if cur else [])
-
-
-def token_logprobs(model, ids: torch.Tensor, temperature: float):
-    """ids (B, T) → logp (B, T-1) of ids[:, 1:], entropy (B, T-1)."""
-    return model(ids[:, :-1], targets=ids[:, 1:], temperature=temperature)
 
 
 @contextlib.contextmanager
@@ -273,81 +215,6 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
 
 
 # -----------------------------------------------------------------------------
-# rollout → reward
-
-
-def run_episodes(model, tok, exs, cfg: C.Config, *, n: int, seed: int, greedy: bool, sampling=None,
-                 mem: PeakMemory | None = None):
-    """Rollout on the model's PolicySampler (its inference copy refreshed from the current weights,
-    LoRA merged) then rewards. Returns (trajs, reward dicts, t_rollout, t_reward).
-    sampling: the SamplingConfig to decode with (default cfg.sampling); mem: records CUDA peaks."""
-    phase = mem.phase if mem is not None else (lambda name: contextlib.nullcontext())
-    t0 = time.time()
-    sampler = _SAMPLERS.get(model)
-    if sampler is None:  # once per trained model: the copy, its KV pool and buffers live for the run
-        sampler = _SAMPLERS[model] = PolicySampler(model, cfg.sampling, dtype=compute_dtype(cfg))
-    with phase("rollout"):
-        sampler.refresh(model)  # one unit gathered at a time; the weights may have changed since the last call
-        trajs = sampler.rollout(tok, exs, cfg.env, cfg.data, cfg.data.db_root, sampling_cfg=sampling or cfg.sampling,
-                                n=n, seed=seed, greedy=greedy)
-    t1 = time.time()
-    rep = [ex for ex in exs for _ in range(n)]  # rollout returns the n samples of an example together
-    with phase("reward"):
-        rw = reward.episode_rewards([reward.episode(t, ex, cfg.data.db_root) for t, ex in zip(trajs, rep)],
-                                    cfg.reward, cfg.env.protocol, reward.conversation_pieces(tok, cfg.env))
-    return trajs, rw, t1 - t0, time.time() - t1
-
-
-_SAMPLERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trained model -> its PolicySampler
-
-
-def summarise(trajs, rewards) -> dict:
-    """Per-rank sums (all-reduced by the caller): count, reward, EX, format errors, turns, tools."""
-    return {"n": len(trajs), "reward": sum(r["reward"] for r in rewards),
-            "ex": sum(float(r["exec_match"]) for r in rewards),
-            "format_err": sum(float(not r["format_ok"]) for r in rewards), "turns": sum(t.num_turns for t in trajs),
-            "tool_calls": sum(t.num_tool_calls for t in trajs),
-            "resp_tokens": sum(int(sum(t.loss_mask)) for t in trajs)}
-
-
-def reduce_summary(s: dict, device) -> dict:
-    keys = list(s)
-    tot = dict(zip(keys, all_sum([s[k] for k in keys], device)))
-    n = max(tot.pop("n"), 1)
-    return {k: v / n for k, v in tot.items()}
-
-
-def evaluate(model, tok, eval_ex, cfg, rank, world, device, log: Log, step: int, prefix="eval"):
-    mine = eval_ex[rank::world]
-    T = cfg.sampling.eval_temperature  # greedy at 0, else sampled at T (as eval.py does)
-    sampling = dataclasses.replace(cfg.sampling, temperature=T) if T > 0 else cfg.sampling
-    trajs, rewards, rollout_s, _ = run_episodes(model, tok, mine, cfg, n=1, seed=cfg.train.seed + 10_000,
-                                                greedy=T == 0, sampling=sampling)
-    m = reduce_summary(summarise(trajs, rewards), device)
-    m = {f"{prefix}/{k}": v for k, v in m.items()}
-    # error recovery (eval.py generate's rule): episodes whose first query failed or returned no
-    # rows, and of those the ones that still ended right; counts summed over ranks
-    bad = [eval_lib.first_query_bad(t.steps) for t in trajs]
-    n_bad, n_rec = all_sum([sum(bad), sum(b and bool(r["exec_match"]) for b, r in zip(bad, rewards))], device)
-    m.update({f"{prefix}/first_query_bad": n_bad, f"{prefix}/recovered": n_rec})
-    if n_bad:
-        m[f"{prefix}/recovery_rate"] = n_rec / n_bad
-    log.metrics(step, m)
-    log.print(f"[{prefix} @ step {step}] EX {100 * m[prefix + '/ex']:.1f}%  reward {m[prefix + '/reward']:.3f}  "
-              f"format-err {100 * m[prefix + '/format_err']:.1f}%  turns {m[prefix + '/turns']:.2f}  "
-              f"tool-calls {m[prefix + '/tool_calls']:.2f}  first query empty/failed {n_bad:.0f}, "
-              f"recovered {n_rec:.0f}  ({len(eval_ex)} examples, {rollout_s:.1f}s)")
-    return m
-
-
-def show_samples(log: Log, trajs, rewards, exs, k=2):
-    for t, r, ex in list(zip(trajs, rewards, exs))[:k]:
-        log.print(f"--- sample (reward {r['reward']:+.2f}, exec {r['exec_match']}, stop {t.stop_reason}, "
-                  f"turns {t.num_turns}, tool calls {t.num_tool_calls}) "
-                  f"Q: {ex['question']}\n{t.text}\n--- gold: {ex['gold_sql']}")
-
-
-# -----------------------------------------------------------------------------
 # main
 
 
@@ -360,7 +227,7 @@ def main():
     log = Log(cfg, rank)
     log.print(C.dump(cfg))
     if rank == 0:
-        prepare_assets(cfg)
+        tiny.prepare_assets(cfg)
     if dist.is_initialized():
         dist.barrier()
     torch.manual_seed(cfg.train.seed)
@@ -377,7 +244,7 @@ def main():
         # the SFT warm start trains the full model, then LoRA adapts the warm weights: SkyRL's
         # LoRA recipe adapts an already instruction-tuned base, and a rank-r adapter on a random
         # tiny model learns little
-        sft.warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate)
+        sft.warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, episodes.evaluate)
     # fp32 master weights on every world size; model.dtype is the compute dtype (FSDP2 casts).
     # LoRA: the base (model.path, or <out_dir>/base after a warm start) is frozen and shard()
     # keeps it in the compute dtype; only the fp32 adapters are masters
@@ -412,11 +279,11 @@ def main():
         log.print(f"resumed from {ck} at step {step}")
     else:
         if cfg.sft.steps > 0 and not use_lora:
-            sft.run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate)
+            sft.run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, episodes.evaluate)
         checkpoint.save(cfg.train.out_dir, 0, model, optimizer, scheduler, tok, cfg, {"cursor": 0},
                         keep=cfg.train.keep_checkpoints)
     if step == 0:  # held-out EX before any GRPO step (after the warm start), beside the random floor
-        warm = evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step)
+        warm = episodes.evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step)
         if rank == 0:
             baseline.report(eval_ex, cfg, log, warm)
 
@@ -442,7 +309,7 @@ def main():
             idx = stream.take(P)[rank::world]
             batch = [train_ex[i] for i in idx]
             seed = (cfg.train.seed * 1_000_003 + step * 1009 + rnd * 101 + rank) % (2 ** 31)
-            round_trajs, round_rewards, rollout_s, reward_s = run_episodes(model, tok, batch, cfg, n=G, seed=seed,
+            round_trajs, round_rewards, rollout_s, reward_s = episodes.run_episodes(model, tok, batch, cfg, n=G, seed=seed,
                                                                            greedy=False, mem=mem)
             t_roll, t_rew = t_roll + rollout_s, t_rew + reward_s
             reps = [ex for ex in batch for _ in range(G)]
@@ -473,7 +340,7 @@ def main():
         t_upd = time.time() - t1
         step += 1
         bad = bad + 1 if m.get("skipped", 0) else 0
-        s = reduce_summary(summarise(seen_t, seen_r), device)  # all sampled episodes, not only kept
+        s = episodes.reduce_summary(episodes.summarise(seen_t, seen_r), device)  # all sampled episodes, not only kept
         tok_s = s["resp_tokens"] * n_seen / max(t_roll, 1e-9) / world
         n_trained = all_sum([sum(len(t.ids) for t in trajs)], device)[0]
         for key, v in (("sampled", s["resp_tokens"] * n_seen), ("rollout_s", t_roll), ("trained", n_trained),
@@ -491,7 +358,7 @@ def main():
                       f"clip {m.get('clip_frac', 0):.3f} gnorm {m.get('grad_norm', 0):.3f} | {tok_s:.0f} tok/s | "
                       f"rollout {t_roll:.1f}s reward {t_rew:.1f}s update {t_upd:.1f}s | ETA {eta / 60:.1f} min")
         if cfg.train.sample_every and step % cfg.train.sample_every == 0:
-            show_samples(log, seen_t, seen_r, seen_x)
+            episodes.show_samples(log, seen_t, seen_r, seen_x)
             if rank == 0:  # rank 0's episodes: samples.jsonl and the wandb table `samples`
                 log.sample_log.write(step, seen_t, seen_r, seen_x, tok, G, cfg.train.sample_rows)
         if bad:
@@ -499,10 +366,10 @@ def main():
             if bad >= cfg.train.max_bad_steps:
                 raise RuntimeError(f"{bad} non-finite steps in a row: stopping")
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-            evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step)
+            episodes.evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step)
         if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
             if step == cfg.train.steps:
-                evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step)
+                episodes.evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step)
             checkpoint.save(cfg.train.out_dir, step, model, optimizer, scheduler, tok, cfg,
                             {"cursor": stream.cursor}, keep=cfg.train.keep_checkpoints)
         if rank == 0 and cfg.train.plot_every and (step % cfg.train.plot_every == 0

@@ -45,6 +45,7 @@ import dataset  # noqa: E402
 import optim  # noqa: E402
 import packing  # noqa: E402
 import sft  # noqa: E402
+import tiny  # noqa: E402
 import train  # noqa: E402
 from distributed import all_sum, setup_dist, shard  # noqa: E402
 from model import Transformer  # noqa: E402
@@ -156,7 +157,7 @@ def main():
                          f"--data.train_path={d}/toy/train.jsonl", f"--data.eval_path={d}/toy/eval.jsonl",
                          f"--model.path={d}/model"])
     if rank == 0:
-        train.prepare_assets(cfg)
+        tiny.prepare_assets(cfg)
     if world > 1:
         torch.distributed.barrier()
     from transformers import AutoTokenizer

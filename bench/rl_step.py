@@ -26,6 +26,8 @@ import config as C  # noqa: E402
 import dataset  # noqa: E402
 import grpo  # noqa: E402
 import optim  # noqa: E402
+import episodes  # noqa: E402
+import tiny  # noqa: E402
 import train  # noqa: E402
 from model import Transformer  # noqa: E402
 
@@ -45,7 +47,7 @@ def main():
     if a.prompts:
         cfg.grpo.prompts_per_step = a.prompts
     t0 = time.time()
-    train.prepare_assets(cfg)
+    tiny.prepare_assets(cfg)
     print(f"assets built in {time.time() - t0:.1f}s")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -63,13 +65,13 @@ def main():
     for step in range(a.steps):
         batch = [exs[i] for i in stream.take(P)]
         t0 = time.time()
-        trajs, rw, t_roll, t_rew = train.run_episodes(model, tok, batch, cfg, n=G, seed=step, greedy=False)
+        trajs, rw, t_roll, t_rew = episodes.run_episodes(model, tok, batch, cfg, n=G, seed=step, greedy=False)
         adv = grpo.advantages(torch.tensor([r["reward"] for r in rw]), G, cfg.grpo.advantage, cfg.grpo.adv_eps)
         t1 = time.time()
         train.update(model, None, opt, sch, trajs, adv, cfg, 1, torch.device("cpu"))
         t_upd = time.time() - t1
         total = time.time() - t0
-        s = train.summarise(trajs, rw)
+        s = episodes.summarise(trajs, rw)
         rows.append((t_roll, t_rew, t_upd, total))
         print(f"step {step + 1}{' (warm-up)' if step == 0 and a.steps > 1 else ''}: total {total:.1f}s = rollout "
               f"{t_roll:.1f}s + reward {t_rew:.2f}s + update {t_upd:.1f}s | {s['resp_tokens']} sampled tokens "

@@ -44,7 +44,6 @@ import config as C  # noqa: E402
 import dataset  # noqa: E402
 import rollout as rollout_module  # noqa: E402
 import tiny  # noqa: E402
-import train  # noqa: E402
 from model import Transformer  # noqa: E402
 from sampler import SHAPES  # noqa: E402  (bench/sampler.py: the script's folder is on sys.path)
 
@@ -135,7 +134,7 @@ def main():
                 f"sampling.max_context={a.max_context}", f"sampling.block_size={a.block_size}"]
     cfg = C.load_config([os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")]
                         + ["--" + s for s in settings])
-    train.prepare_assets(cfg)
+    tiny.prepare_assets(cfg)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     if a.shape:  # that shape, the toy tokenizer's vocabulary

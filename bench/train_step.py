@@ -37,6 +37,7 @@ import distributed  # noqa: E402
 import packing  # noqa: E402
 import optim  # noqa: E402
 import train  # noqa: E402
+from padded import pack, token_logprobs  # noqa: E402  (this folder: the padded reference)
 from model import Transformer  # noqa: E402
 from sampler import SHAPES  # noqa: E402
 
@@ -166,10 +167,10 @@ def padded_update(model, optimizer, scheduler, trajs, adv, cfg, device) -> dict:
     masks = [torch.tensor(t.loss_mask[1:], dtype=torch.float32) for t in trajs]
     norm = train.grpo.global_norm(masks, g.loss_agg)
     optimizer.zero_grad(set_to_none=True)
-    for mb in train.pack([len(t.ids) for t in trajs], cfg.optim.micro_batch_tokens):
+    for mb in pack([len(t.ids) for t in trajs], cfg.optim.micro_batch_tokens):
         ids = packing.pad([trajs[i].ids for i in mb], 0, device)
         mask = packing.pad([trajs[i].loss_mask for i in mb], 0, device, torch.float32)[:, 1:]
-        lp, ent = train.token_logprobs(model, ids, T)
+        lp, ent = token_logprobs(model, ids, T)
         loss, _ = train.grpo.policy_loss(lp, lp.detach(), adv[mb].to(device), mask, clip_low=g.clip_low,
                                          clip_high=g.clip_high, agg=g.loss_agg, norm=norm, entropy=ent)
         loss.backward()
@@ -215,7 +216,7 @@ def main_ab(a):
         mbs = packing.plan([(t.ids, t.loss_mask) for t in trajs], [len(t.prompt_ids) for t in trajs],
                            cfg.optim.micro_batch_tokens, cfg.optim.pack_row_tokens)
         padded_tok = sum(len(mb) * max(len(trajs[i].ids) for i in mb)
-                         for mb in train.pack([len(t.ids) for t in trajs], cfg.optim.micro_batch_tokens))
+                         for mb in pack([len(t.ids) for t in trajs], cfg.optim.micro_batch_tokens))
         # tokens the packed forward computes: each micro-batch is (rows, longest row)
         packed_tok = sum(len(mb.rows) * max(len(r.ids) for r in mb.rows) for mb in mbs)
         print(f"{name}: {len(trajs)} trajectories, {sum(len(t.ids) for t in trajs)} tokens, padded layout "

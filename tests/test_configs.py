@@ -17,6 +17,7 @@ import yaml
 from conftest import ROOT, build_tiny_assets
 
 import config as C
+import tiny
 import train
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -32,7 +33,7 @@ SMALL = ["--model.dtype=float32", "--wandb.mode=disabled", "--train.steps=1", "-
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    """The toy set and a tiny model, built once (train.prepare_assets, as a run would)."""
+    """The toy set and a tiny model, built once (tiny.prepare_assets, as a run would)."""
     return ["--" + a for a in build_tiny_assets(tmp_path_factory.mktemp("assets"))]
 
 

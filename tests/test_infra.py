@@ -11,11 +11,11 @@ import torch
 
 import config as C
 import dataset
+import episodes
 import reward
 import sandbox
 import sft
 import tiny
-import train
 from conftest import ROOT
 
 
@@ -128,10 +128,10 @@ def test_train_eval_decodes_at_sampling_eval_temperature(T, monkeypatch):
         seen.update(greedy=greedy, temperature=(sampling or cfg.sampling).temperature)
         return [], [], 0.0, 0.0
 
-    monkeypatch.setattr(train, "run_episodes", fake_run_episodes)
+    monkeypatch.setattr(episodes, "run_episodes", fake_run_episodes)
     cfg = C.load_config([f"--sampling.eval_temperature={T}", "--sampling.temperature=0.6"])
     log = types.SimpleNamespace(metrics=lambda *a: None, print=lambda *a: None)
-    train.evaluate(None, None, [], cfg, 0, 1, torch.device("cpu"), log, 0)
+    episodes.evaluate(None, None, [], cfg, 0, 1, torch.device("cpu"), log, 0)
     assert seen == ({"greedy": True, "temperature": 0.6} if T == 0 else {"greedy": False, "temperature": 0.8})
     assert cfg.sampling.temperature == 0.6  # the training temperature is untouched
 

@@ -34,7 +34,7 @@ PEFT_MISSING = "peft not installed (pip install peft: a test-only dependency, se
 def test_lora_update_trains_only_adapters(tmp_path):
     """A few GRPO updates through train.update (reward = fraction of sampled tokens in the lower
     half of the vocabulary: dense, so every group has a signal), rollouts with the adapters
-    merged as train.run_episodes does: every adapter B moves, the base stays bit-identical,
+    merged as episodes.run_episodes does: every adapter B moves, the base stays bit-identical,
     AdamW holds exactly the adapters, and the policy's logits move away from the base's.
     (A random tiny base's logits barely depend on its hidden state, so a reward rise is not
     asserted here: README's LoRA section has the held-out EX gain on the warm-started model.)"""

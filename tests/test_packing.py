@@ -8,8 +8,10 @@ packings, its memory and time on a 32k-token row, and flex_attention with it aga
     python -m pytest -q tests/test_packing.py
 """
 import copy
-import time
 import random
+import sys
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +22,9 @@ import grpo
 import packing
 import train
 from model import ModelArgs, Transformer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import padded  # noqa: E402  (bench/padded.py: the padded reference layout)
 
 V = 97
 
@@ -78,7 +83,7 @@ def test_packed_logprobs_equal_padded(budget, row_tokens):
         assert any(len(mb.rows) > 1 for mb in mbs)  # several padded rows in one micro-batch
     with torch.no_grad():
         ids = packing.pad([t.ids for t in trajs], 0, "cpu")
-        ref_lp, ref_ent = train.token_logprobs(model, ids, 0.7)
+        ref_lp, ref_ent = padded.token_logprobs(model, ids, 0.7)
         for mb in mbs:
             lp, ent = packing.forward(model, mb, "cpu", 0.7)
             for i, a, b in zip(mb.members, lp.split(mb.counts), ent.split(mb.counts)):
@@ -137,8 +142,8 @@ def reference_update(model, ref_model, trajs, adv, cfg):
     g, T = cfg.grpo, cfg.sampling.temperature
     need_old = g.ppo_epochs * g.mini_batches > 1
     with torch.no_grad():
-        old = [train.token_logprobs(model, torch.tensor([t.ids]), T)[0][0] for t in trajs]
-        ref = [train.token_logprobs(ref_model, torch.tensor([t.ids]), T)[0][0] for t in trajs] if ref_model else None
+        old = [padded.token_logprobs(model, torch.tensor([t.ids]), T)[0][0] for t in trajs]
+        ref = [padded.token_logprobs(ref_model, torch.tensor([t.ids]), T)[0][0] for t in trajs] if ref_model else None
     grads, n = [], len(trajs)
     for _ in range(g.ppo_epochs):
         bounds = [round(k * n / g.mini_batches) for k in range(g.mini_batches + 1)]
@@ -149,7 +154,7 @@ def reference_update(model, ref_model, trajs, adv, cfg):
             model.zero_grad(set_to_none=True)
             ids = packing.pad([trajs[i].ids for i in idx], 0, "cpu")
             mask = packing.pad([trajs[i].loss_mask for i in idx], 0, "cpu", torch.float32)[:, 1:]
-            lp, ent = train.token_logprobs(model, ids, T)
+            lp, ent = padded.token_logprobs(model, ids, T)
             old_lp = packing.pad([old[i].tolist() for i in idx], 0.0, "cpu", torch.float32) if need_old else lp.detach()
             ref_lp = packing.pad([ref[i].tolist() for i in idx], 0.0, "cpu", torch.float32) if ref else None
             rollout_lp = packing.pad([trajs[i].logprobs[1:] for i in idx], 0.0, "cpu", torch.float32)

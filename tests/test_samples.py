@@ -15,6 +15,7 @@ import torch
 from conftest import ROOT, build_tiny_assets
 
 import config as C
+import episodes
 import samples
 import train
 
@@ -65,16 +66,16 @@ def _episode(first_rows, right):
 
 
 def test_evaluate_logs_recovery_counts_and_rate(tmp_path, monkeypatch):
-    """train.evaluate logs eval.py generate's error recovery: first query failed or empty, of those
+    """episodes.evaluate logs eval.py generate's error recovery: first query failed or empty, of those
     the episodes that ended right, and their ratio (absent when no first query went wrong)."""
     cfg = C.load_config([f"--train.out_dir={tmp_path}", "--wandb.mode=disabled"])
     eps = [_episode(0, True), _episode(0, False), _episode(None, True), _episode(3, True), _episode(2, False)]
-    monkeypatch.setattr(train, "run_episodes", lambda *a, **k: ([t for t, _ in eps], [r for _, r in eps], 0.1, 0.0))
+    monkeypatch.setattr(episodes, "run_episodes", lambda *a, **k: ([t for t, _ in eps], [r for _, r in eps], 0.1, 0.0))
     log = train.Log(cfg, 0)
-    m = train.evaluate(None, None, list(range(5)), cfg, 0, 1, torch.device("cpu"), log, 4)
+    m = episodes.evaluate(None, None, list(range(5)), cfg, 0, 1, torch.device("cpu"), log, 4)
     assert (m["eval/first_query_bad"], m["eval/recovered"], m["eval/recovery_rate"]) == (3, 2, 2 / 3)
     eps[:] = [_episode(1, True)]
-    m = train.evaluate(None, None, [0], cfg, 0, 1, torch.device("cpu"), log, 8)
+    m = episodes.evaluate(None, None, [0], cfg, 0, 1, torch.device("cpu"), log, 8)
     assert m["eval/first_query_bad"] == 0 and "eval/recovery_rate" not in m
     logged = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [(r["step"], r["eval/first_query_bad"], r.get("eval/recovery_rate")) for r in logged] == \

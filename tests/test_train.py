@@ -15,6 +15,7 @@ import torch
 
 import config as C
 import distributed
+import episodes
 import optim
 import rollout
 import sft
@@ -22,6 +23,9 @@ import tiny
 import train
 from conftest import ROOT, torchrun_env
 from model import Transformer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import padded  # noqa: E402  (bench/padded.py: the padded reference layout)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +136,7 @@ def test_sft_loss_runs_in_training_mode(tmp_path, tiny_model, monkeypatch):
                         real_loss(model, *a, **kw))
     log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
     model = Transformer.from_pretrained(path)
-    sft.run_sft(model, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log, train.evaluate)
+    sft.run_sft(model, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log, episodes.evaluate)
     assert modes and all(modes) and not model.training
 
 
@@ -272,7 +276,7 @@ def test_lr_schedule_and_micro_batch_packing():
     assert abs(f(20) - 0.1) < 1e-9 and 0.1 < f(12) < 1.0
     assert optim.lr_lambda(0, 10)(7) == 1.0
     lengths = [5, 17, 3, 9, 9, 30, 1]
-    mbs = train.pack(lengths, budget=32)
+    mbs = padded.pack(lengths, budget=32)
     assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths)))
     for mb in mbs:  # padded size within budget unless a single sequence is longer
         assert len(mb) == 1 or max(lengths[i] for i in mb) * len(mb) <= 32
