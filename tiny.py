@@ -209,11 +209,11 @@ def tokenizer_corpus(cfg) -> list[str]:
     """Text the tiny tokenizer is trained on: rendered prompts, gold SQL, the protocol strings."""
     import dataset
     import prompts
-    import sft
+    import gold
     exs = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
     texts = []
     if cfg.env.protocol == "actions":  # the warm start's own turns and observations (DESCRIBE's tables)
-        texts += sft.gold_texts(exs, cfg, [dataset.abs_db_path(ex, cfg.data.db_root) for ex in exs])
+        texts += gold.gold_texts(exs, cfg, [dataset.abs_db_path(ex, cfg.data.db_root) for ex in exs])
     for ex in exs:
         for msg in prompts.build_messages(ex, cfg.data.db_root, cfg.data, cfg.env.protocol):
             texts.append(msg["content"])

@@ -44,6 +44,7 @@ import config as C  # noqa: E402
 import dataset  # noqa: E402
 import optim  # noqa: E402
 import packing  # noqa: E402
+import gold  # noqa: E402
 import sft  # noqa: E402
 import tiny  # noqa: E402
 import train  # noqa: E402
@@ -77,9 +78,9 @@ def gold_data(cfg, tok, n: int):
     exs = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
     random.Random(0).shuffle(exs)
     exs = exs[:n]
-    prompts = sft.render_prompts(tok, exs, cfg.data, cfg.env.protocol, cfg.data.db_root)
+    prompts = gold.render_prompts(tok, exs, cfg.data, cfg.env.protocol, cfg.data.db_root)
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in exs]
-    return prompts, sft.build_dataset(exs, prompts, tok, cfg, db_paths)
+    return prompts, gold.build_dataset(exs, prompts, tok, cfg, db_paths)
 
 
 def grpo_batch(prompts, data, n_prompts: int, G: int, seed: int) -> list[Trajectory]:

@@ -12,9 +12,9 @@ import torch
 import config as C
 import dataset
 import episodes
+import gold
 import reward
 import sandbox
-import sft
 import tiny
 from conftest import ROOT
 
@@ -32,7 +32,7 @@ def tok(tmp_path_factory):
 
 
 def test_end_of_turn_is_the_chat_templates_token(tok):
-    assert tok.convert_ids_to_tokens(sft.end_of_turn_id(tok)) == "<|im_end|>"  # Qwen's ChatML
+    assert tok.convert_ids_to_tokens(gold.end_of_turn_id(tok)) == "<|im_end|>"  # Qwen's ChatML
     # a Llama-3-style template closes turns with <|eot_id|>, not <|im_end|> nor its eos
     tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|end_of_text|>"]})
     old_template, old_eos = tok.chat_template, tok.eos_token
@@ -40,9 +40,9 @@ def test_end_of_turn_is_the_chat_templates_token(tok):
         tok.chat_template = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                              "{{ m['content'] }}<|eot_id|>{% endfor %}")
         tok.eos_token = "<|end_of_text|>"
-        assert tok.convert_ids_to_tokens(sft.end_of_turn_id(tok)) == "<|eot_id|>"
+        assert tok.convert_ids_to_tokens(gold.end_of_turn_id(tok)) == "<|eot_id|>"
         tok.chat_template = None  # no template: the eos token
-        assert sft.end_of_turn_id(tok) == tok.convert_tokens_to_ids("<|end_of_text|>")
+        assert gold.end_of_turn_id(tok) == tok.convert_tokens_to_ids("<|end_of_text|>")
     finally:
         tok.chat_template, tok.eos_token = old_template, old_eos
 

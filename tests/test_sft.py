@@ -1,4 +1,4 @@
-"""The SFT warm start's gold episodes (sft.py), in every protocol x conversation format: played
+"""The SFT warm start's gold episodes (gold.py), in every protocol x conversation format: played
 through the env they are well formed and get the full reward, and their tokens are exactly what a
 rollout appends when it is forced to write them (token-in-token-out). ~1 min on 2 cores.
 
@@ -14,7 +14,7 @@ import config as C
 import dataset
 import reward
 import rollout
-import sft
+import gold
 from model import Transformer
 
 PAIRS = [(p, c) for p in ("tags", "actions") for c in ("single", "conversation")]
@@ -49,8 +49,8 @@ def make_cfg(assets, protocol, conversation, *extra):
 def play(assets, cfg):
     _, root, recs, tok, _ = assets
     dbs = [dataset.abs_db_path(r, root) for r in recs]
-    prompts = sft.render_prompts(tok, recs, cfg.data, cfg.env.protocol, root)
-    return prompts, dbs, sft.gold_episodes(recs, prompts, tok, cfg, dbs)
+    prompts = gold.render_prompts(tok, recs, cfg.data, cfg.env.protocol, root)
+    return prompts, dbs, gold.gold_episodes(recs, prompts, tok, cfg, dbs)
 
 
 class Force:
@@ -90,7 +90,7 @@ def test_gold_episodes_are_well_formed_and_get_the_full_reward(assets, protocol,
             assert e.text.endswith(f"<solution>{r['gold_sql']}</solution>")  # the rollout stops there
         else:  # every tool call new and successful: the dense shaping only adds
             assert all(st["ok"] for st in e.steps[:-1]) and s["reward"] > cfg.reward.correct, s
-            assert kinds == ["describe"] * len(sft.tables_read(dataset.abs_db_path(r, root), r["gold_sql"])) + \
+            assert kinds == ["describe"] * len(gold.tables_read(dataset.abs_db_path(r, root), r["gold_sql"])) + \
                 ["query"] * len(lookups) + ["answer"], kinds
             assert e.text.endswith(f"<action>ANSWER {r['gold_sql']}</action>")
         assert [st["arg"] for st in e.steps if st["kind"] in ("sql", "query")] == lookups
@@ -123,28 +123,28 @@ def test_tool_turns_that_do_not_fit_are_left_out_describes_first(assets):
     _, root, recs, tok, _ = assets
     rec = recs[-1]
     db = dataset.abs_db_path(rec, root)
-    tables = sft.tables_read(db, rec["gold_sql"])
+    tables = gold.tables_read(db, rec["gold_sql"])
     assert len(tables) == 2 and rec["gold_sql"].index(tables[0]) < rec["gold_sql"].index(tables[1])
     first, lookup = rec["first_lookup_sql"], rec["lookup_sql"]
     ask = lambda budget: [t.split(" ", 1)[0].strip("<action>") for t in  # noqa: E731
-                          sft.gold_turns(rec, make_cfg(assets, "actions", "single", f"--env.step_budget={budget}"), db)]
+                          gold.gold_turns(rec, make_cfg(assets, "actions", "single", f"--env.step_budget={budget}"), db)]
     assert ask(6) == ["DESCRIBE", "DESCRIBE", "QUERY", "QUERY", "ANSWER"]
     assert ask(4) == ["DESCRIBE", "QUERY", "QUERY", "ANSWER"]
     assert ask(2) == ["QUERY", "ANSWER"] and ask(1) == ["ANSWER"]
-    turns = sft.gold_turns(rec, make_cfg(assets, "actions", "single", "--env.step_budget=3"), db)
+    turns = gold.gold_turns(rec, make_cfg(assets, "actions", "single", "--env.step_budget=3"), db)
     assert turns == [f"<action>QUERY {first}</action>", f"<action>QUERY {lookup}</action>",
                      f"<action>ANSWER {rec['gold_sql']}</action>"]
-    turns = sft.gold_turns(rec, make_cfg(assets, "tags", "single", "--env.max_turns=2"), db)
+    turns = gold.gold_turns(rec, make_cfg(assets, "tags", "single", "--env.max_turns=2"), db)
     assert [re.sub(r"<think>.*?</think>\n", "", t) for t in turns] == [f"<sql>{lookup}</sql>",
                                                                       f"<solution>{rec['gold_sql']}</solution>"]
     # a direct question: the gold itself as a check with sft.with_tool_turn, else no tool turn
     direct = next(r for r in recs if not r["lookup_sql"])
     ddb = dataset.abs_db_path(direct, root)
     on = make_cfg(assets, "actions", "single", "--sft.with_tool_turn=true")
-    assert sft.gold_turns(direct, on, ddb)[-2:] == [f"<action>QUERY {direct['gold_sql']}</action>",
+    assert gold.gold_turns(direct, on, ddb)[-2:] == [f"<action>QUERY {direct['gold_sql']}</action>",
                                                     f"<action>ANSWER {direct['gold_sql']}</action>"]
     off = make_cfg(assets, "actions", "single", "--sft.with_tool_turn=false")
-    assert all(t.startswith("<action>DESCRIBE") for t in sft.gold_turns(direct, off, ddb)[:-1])
+    assert all(t.startswith("<action>DESCRIBE") for t in gold.gold_turns(direct, off, ddb)[:-1])
 
 
 def test_a_gold_the_env_does_not_read_as_meant_is_an_error(assets, monkeypatch):
@@ -152,24 +152,24 @@ def test_a_gold_the_env_does_not_read_as_meant_is_an_error(assets, monkeypatch):
     cfg = make_cfg(assets, "actions", "single")
     db = dataset.abs_db_path(recs[0], root)
     with pytest.raises(ValueError, match="does not compile"):
-        sft.gold_turns({**recs[0], "gold_sql": "SELECT nope FROM nowhere"}, cfg, db)
+        gold.gold_turns({**recs[0], "gold_sql": "SELECT nope FROM nowhere"}, cfg, db)
     bad = {**recs[0], "lookup_sql": "SELECT 1</action>"}  # the stop string inside the query: cut short
     with pytest.raises(ValueError, match="first stop string"):
-        sft.gold_episodes([bad], [[]], None, cfg, [db])
+        gold.gold_episodes([bad], [[]], None, cfg, [db])
     for turns, why in [(["<action>DESCRIPTION orders</action>"], "read as invalid"),  # no such action
                        (["<action>ANSWER SELECT 1</action>"] * 2, "read as answer, done=True")]:  # ends too early
-        monkeypatch.setattr(sft, "gold_turns", lambda *a, turns=turns: turns)
+        monkeypatch.setattr(gold, "gold_turns", lambda *a, turns=turns: turns)
         with pytest.raises(ValueError, match=why):
-            sft.gold_episodes([recs[0]], [[]], None, cfg, [db])
+            gold.gold_episodes([recs[0]], [[]], None, cfg, [db])
 
 
 def test_build_dataset_leaves_out_golds_over_max_context(assets):
     _, root, recs, tok, _ = assets
     cfg = make_cfg(assets, "actions", "single")
     prompts, dbs, eps = play(assets, cfg)
-    assert sft.build_dataset(recs, prompts, tok, cfg, dbs) == [(e.ids, e.mask) for e in eps]
+    assert gold.build_dataset(recs, prompts, tok, cfg, dbs) == [(e.ids, e.mask) for e in eps]
     ctx = sorted(len(e.ids) for e in eps)[len(eps) // 2]
     small = make_cfg(assets, "actions", "single", f"--sampling.max_context={ctx}")
-    assert len(sft.build_dataset(recs, prompts, tok, small, dbs)) == sum(len(e.ids) <= ctx for e in eps) < len(recs)
+    assert len(gold.build_dataset(recs, prompts, tok, small, dbs)) == sum(len(e.ids) <= ctx for e in eps) < len(recs)
     with pytest.raises(ValueError, match="no gold episode fits"):
-        sft.build_dataset(recs, prompts, tok, make_cfg(assets, "actions", "single", "--sampling.max_context=8"), dbs)
+        gold.build_dataset(recs, prompts, tok, make_cfg(assets, "actions", "single", "--sampling.max_context=8"), dbs)

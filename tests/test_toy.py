@@ -170,7 +170,7 @@ def test_tool_questions_need_the_lookup(toy):
 
 
 def test_gold_trajectories_follow_the_format_and_score_one(toy):
-    """sft.gold_trajectory for every eval and 300 train records: the lookup then the solution for
+    """gold.gold_trajectory for every eval and 300 train records: the lookup then the solution for
     tool questions (refine questions: the natural lookup, its empty observation, then the lookup),
     a direct solution otherwise; SkyRL's format (reward.format_ok), a <think> after every
     observation, and reward 1 through reward.episode_rewards. With two turns a refine question
@@ -178,7 +178,7 @@ def test_gold_trajectories_follow_the_format_and_score_one(toy):
     import config as C
     import env
     import reward
-    import sft
+    import gold
     import tiny
     from transformers import AutoTokenizer
     out, _ = toy
@@ -190,10 +190,10 @@ def test_gold_trajectories_follow_the_format_and_score_one(toy):
     cfg = C.load_config(["--env.max_turns=3", "--sft.think_text=", "--sft.with_tool_turn=false",
                          "--data.prompt_template=compact"])
     two_turns = C.load_config(["--env.max_turns=2", "--sft.think_text=", "--data.prompt_template=compact"])
-    prompts = sft.render_prompts(tok, recs, cfg.data, "tags", str(out))
+    prompts = gold.render_prompts(tok, recs, cfg.data, "tags", str(out))
     episodes = []
     for r, p in zip(recs, prompts):
-        ids, mask = sft.gold_trajectory(r, p, tok, cfg, r["db_file"])
+        ids, mask = gold.gold_trajectory(r, p, tok, cfg, r["db_file"])
         text = tok.decode(ids[len(p):])
         assert text.endswith("</solution>")  # where the rollout stops
         assert text.count("<observation>") == bool(r["lookup_sql"]) + bool(r["first_lookup_sql"]), text
@@ -202,7 +202,7 @@ def test_gold_trajectories_follow_the_format_and_score_one(toy):
             assert text.startswith(f"<think></think>\n<sql>{r['first_lookup_sql']}</sql>"), text
             failed = text[text.index("<observation>"):text.index("</observation>")]
             assert code not in failed and "(0 rows)" in failed, failed
-            text_two, _ = sft.gold_trajectory(r, p, tok, two_turns, r["db_file"])
+            text_two, _ = gold.gold_trajectory(r, p, tok, two_turns, r["db_file"])
             assert tok.decode(text_two[len(p):]).startswith(f"<think></think>\n<sql>{r['lookup_sql']}</sql>")
         if r["lookup_sql"]:
             tail = text[text.index("</observation>") + 1:] if r["first_lookup_sql"] else text

@@ -16,6 +16,7 @@ import torch
 import config as C
 import distributed
 import episodes
+import gold
 import optim
 import rollout
 import sft
@@ -77,13 +78,13 @@ def test_sft_gold_trajectory_masks_model_side(tmp_path, tiny_model):
     ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=1)[0]
     for conv in ("single", "conversation"):
         cfg = C.load_config([f"--env.conversation={conv}", "--data.prompt_template=compact"])
-        p = sft.render_prompts(tok, [ex], cfg.data, "tags", str(tmp_path))[0]
-        ids, mask = sft.gold_trajectory(ex, p, tok, cfg, dataset.abs_db_path(ex, str(tmp_path)))
+        p = gold.render_prompts(tok, [ex], cfg.data, "tags", str(tmp_path))[0]
+        ids, mask = gold.gold_trajectory(ex, p, tok, cfg, dataset.abs_db_path(ex, str(tmp_path)))
         assert ids[:len(p)] == p and not any(mask[:len(p)])
         model_text = tok.decode([i for i, m in zip(ids, mask) if m])
-        gold = ex["gold_sql"]
+        gold_sql = ex["gold_sql"]
         think = f"<think>{cfg.sft.think_text}</think>\n"
-        assert model_text == f"{think}<sql>{gold}</sql>{think}<solution>{gold}</solution>"  # the rollout stops on </solution>
+        assert model_text == f"{think}<sql>{gold_sql}</sql>{think}<solution>{gold_sql}</solution>"  # the rollout stops on </solution>
         obs = tok.decode([i for i, m in zip(ids[len(p):], mask[len(p):]) if not m])
         assert "<observation>" in obs and "turns left" in obs  # the real tool output, not trained on
 
