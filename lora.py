@@ -367,23 +367,6 @@ def load_adapter(model, folder):
 # memory
 
 
-def memory_estimate(model, world: int, base_bytes: int = 2) -> dict:
-    """GB per device of the weight states under LoRA, sharded over `world` ranks.
-
-    The frozen base in its own dtype (base_bytes: 2 for bf16) and no grads or AdamW moments
-    for it; the adapters in fp32 with fp32 grads and two fp32 moments. Counts the model's
-    parameters (works on a meta-device model): replaces the full fine-tune's params, grads
-    and adam entries of distributed.memory_estimate; rollout weights, KV cache and activations
-    are those of the full fine-tune.
-    """
-    gb = 1024 ** 3
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"params": (base_bytes * frozen + 4 * trainable) / world / gb,
-            "grads": 4 * trainable / world / gb, "adam": 8 * trainable / world / gb,
-            "trainable_params": trainable, "frozen_params": frozen}
-
-
 def main(argv=None):
     """Print the per-device memory of a config's LoRA run next to its full fine-tune."""
     import config as C
@@ -397,17 +380,23 @@ def main(argv=None):
         sys.exit(f"error: {path} not found: model.path must be a local HF folder (only config.json is read)")
     with open(path) as f, torch.device("meta"):
         model = Transformer(ModelArgs.from_hf(json.load(f)))
+    # one estimate for both layouts (distributed.memory_estimate): frozen parameters count once in
+    # the compute dtype with no grads or AdamW moments, so the same call after apply() is LoRA's
     full_by_world = {w: distributed.memory_estimate(model, cfg, w) for w in worlds}  # before LoRA
     spec = apply(model, cfg.model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
     print(f"LoRA rank {spec.rank}, alpha {spec.alpha:g}, targets {','.join(spec.targets)}")
     for world, full in full_by_world.items():
-        lo = memory_estimate(model, world)
+        lo = distributed.memory_estimate(model, cfg, world)
+        # LoRA's weight states in place of the full fine-tune's; the rest (rollout weights, KV
+        # cache, activations) as the full fine-tune's, the adapters' rollout copy left out
         lora_total = full["total"] - full["params"] - full["grads"] - full["adam"] \
             + lo["params"] + lo["grads"] + lo["adam"]
         print(f"world {world}: full fine-tune {full['total']:.1f} GB/device, LoRA {lora_total:.1f} GB/device "
               f"(weights+grads+adam {lo['params'] + lo['grads'] + lo['adam']:.1f} vs "
-              f"{full['params'] + full['grads'] + full['adam']:.1f}; trainable {lo['trainable_params'] / 1e6:.1f}M "
-              f"of {(lo['trainable_params'] + lo['frozen_params']) / 1e9:.2f}B)")
+              f"{full['params'] + full['grads'] + full['adam']:.1f}; trainable {trainable / 1e6:.1f}M "
+              f"of {total / 1e9:.2f}B)")
 
 
 if __name__ == "__main__":

@@ -261,6 +261,21 @@ def dummy_backward(model, device):
     (lp * 0).sum().backward()
 
 
+def each_micro_batch(model, mbs: list, device, *, backward: bool):
+    """Yield this rank's micro-batches in order; where another rank has more, run a dummy pass
+    instead (FSDP2's collectives must match across ranks): forward only when the caller scores
+    without gradients (backward=False), forward + zero backward when it accumulates a loss. The
+    one accumulation loop of the update, old/ref logprobs and the SFT loss."""
+    for mb in pad_to_same_count(mbs, device):
+        if mb is None:
+            if backward:
+                dummy_backward(model, device)
+            else:
+                model(dummy(device))
+            continue
+        yield mb
+
+
 # -----------------------------------------------------------------------------
 # the FlexAttention block mask, from the row's structure
 

@@ -101,10 +101,7 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evalua
         opt.zero_grad(set_to_none=True)
         tot = 0.0
         mbs = packing.plan(seqs, None, cfg.optim.micro_batch_tokens, cfg.optim.pack_row_tokens)
-        for mb in packing.pad_to_same_count(mbs, device):
-            if mb is None:
-                packing.dummy_backward(model, device)
-                continue
+        for mb in packing.each_micro_batch(model, mbs, device, backward=True):
             loss_sum = sft_loss_sum(model, [seqs[j] for j in mb.members], row_tokens=cfg.optim.pack_row_tokens)
             (loss_sum / n_tok * world).backward()
             tot += loss_sum.detach().item()

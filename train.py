@@ -134,10 +134,7 @@ def logprobs_of(model, mbs, temperature: float, device) -> dict[int, torch.Tenso
     fixed policy, not a random draw of one."""
     out = {}
     with torch.no_grad(), training_mode(model, False):
-        for mb in packing.pad_to_same_count(mbs, device):
-            if mb is None:
-                model(packing.dummy(device))  # keeps FSDP2's all-gathers in step across ranks
-                continue
+        for mb in packing.each_micro_batch(model, mbs, device, backward=False):
             lp, _ = packing.forward(model, mb, device, temperature)
             out.update(zip(mb.members, lp.split(mb.counts)))
     return out
@@ -188,10 +185,7 @@ def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, wo
             norm = grpo.global_norm(masks, g.loss_agg)
             optimizer.zero_grad(set_to_none=True)
             mbs = packing.plan([seqs[i] for i in idx], [prompt_lens[i] for i in idx], budget, row_tokens)
-            for mb in packing.pad_to_same_count(mbs, device):
-                if mb is None:  # this rank has fewer micro-batches
-                    packing.dummy_backward(model, device)
-                    continue
+            for mb in packing.each_micro_batch(model, mbs, device, backward=True):
                 members = [idx[j] for j in mb.members]
                 lp_flat, ent_flat = packing.forward(model, mb, device, T)  # (N,) loss tokens only
                 lp, ent, mask, old_lp, ref_lp, rollout_logp = loss_layout(

@@ -130,10 +130,8 @@ class Arm:
             n_tok = all_sum([sum(sum(m[1:]) for _, m in seqs)], device)[0]
             self.sft_opt.zero_grad(set_to_none=True)
             tot = 0.0
-            for mb in packing.pad_to_same_count(packing.plan(seqs, None, o.micro_batch_tokens, o.pack_row_tokens), device):
-                if mb is None:
-                    packing.dummy_backward(self.model, device)
-                    continue
+            mbs = packing.plan(seqs, None, o.micro_batch_tokens, o.pack_row_tokens)
+            for mb in packing.each_micro_batch(self.model, mbs, device, backward=True):
                 loss_sum = sft.sft_loss_sum(self.model, [seqs[j] for j in mb.members], row_tokens=o.pack_row_tokens)
                 (loss_sum / n_tok * world).backward()
                 tot += loss_sum.detach().item()
