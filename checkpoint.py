@@ -151,8 +151,8 @@ def load(path: str, model, optimizer, scheduler) -> dict:
         else:
             for f in sorted((Path(path) / "hf").glob("*.safetensors")):
                 sd.update(load_file(str(f)))
-            import model as model_lib
-            sd = model_lib._from_hf(sd, model.config)  # HF names -> ours (fused qkv / gate-up)
+            import hf_folder
+            sd = hf_folder.from_hf(sd, model.config)  # HF names -> ours (fused qkv / gate-up)
             if model.config.tie_word_embeddings:
                 sd["lm_head.weight"] = sd["embed_tokens.weight"]
         osd = blob["optimizer"] or {}
