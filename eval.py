@@ -54,66 +54,10 @@ import time
 
 import reward
 import sandbox
+import spider_score
 
 # -----------------------------------------------------------------------------
-# score
-
-
-def read_gold(path: str) -> list[tuple[str, str]]:
-    out = []
-    with open(path) as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            sql, sep, db_id = line.strip().rpartition("\t")
-            if not sep:
-                raise SystemExit(f"{path}:{n}: expected 'SQL<TAB>db_id', got {line.strip()[:80]!r}")
-            out.append((sql, db_id.strip()))
-    return out
-
-
-def official_pred_text(line: str) -> str:
-    """The official evaluation.py's input handling of one prediction line."""
-    return line.strip().split("\t")[0].replace(" value ", " 1 ")
-
-
-def score(pred_lines: list[str], gold: list[tuple[str, str]], db_root: str, mode: str = "spider", *,
-          timeout_s: float = 30.0, keep_distinct: bool = False, workers: int = 0) -> list[dict]:
-    """Per-example verdicts, in order. A blank prediction line is an (empty, wrong) prediction:
-    lines are matched by position (the official script would instead treat it as a separator)."""
-    if len(pred_lines) != len(gold):
-        raise SystemExit(f"{len(pred_lines)} predictions for {len(gold)} gold lines")
-    recs, items, where = [], [], []
-    for i, (line, (g_sql, db_id)) in enumerate(zip(pred_lines, gold)):
-        db = os.path.join(db_root, db_id, db_id + ".sqlite")
-        rec = {"index": i, "db_id": db_id, "exec_match": False, "skipped": not os.path.isfile(db), "error": None}
-        recs.append(rec)
-        if not rec["skipped"]:
-            pred = official_pred_text(line) if mode == "spider" else line.strip()
-            items.append((db, pred, g_sql))
-            where.append(i)
-    verdicts = reward.match_batch(items, mode, timeout_s=timeout_s, keep_distinct=keep_distinct, workers=workers)
-    for i, (ok, err) in zip(where, verdicts):
-        recs[i]["exec_match"], recs[i]["error"] = ok, (err or None)
-    return recs
-
-
-def compare_verdicts(recs: list[dict], path: str) -> tuple[int, int, list[int]]:
-    """(agree, total compared, indices that differ) against an official verdicts file."""
-    official = {}
-    with open(path) as fh:
-        for line in fh:
-            v = json.loads(line)
-            official[v["index"]] = v
-    diff, n = [], 0
-    for r in recs:
-        v = official.get(r["index"])
-        if v is None or v.get("skipped") or r["skipped"]:
-            continue
-        n += 1
-        if bool(v["exec_match"]) != r["exec_match"]:
-            diff.append(r["index"])
-    return n - len(diff), n, diff
+# score (spider_score.py)
 
 
 def cmd_score(args) -> None:
@@ -122,8 +66,8 @@ def cmd_score(args) -> None:
         pred_lines = fh.read().split("\n")
     if pred_lines and pred_lines[-1] == "":
         pred_lines.pop()  # the final newline
-    gold = read_gold(args.gold)
-    recs = score(pred_lines, gold, args.db_root, args.mode, timeout_s=args.timeout,
+    gold = spider_score.read_gold(args.gold)
+    recs = spider_score.score(pred_lines, gold, args.db_root, args.mode, timeout_s=args.timeout,
                  keep_distinct=args.keep_distinct, workers=args.workers)
     done = [r for r in recs if not r["skipped"]]
     hits = sum(r["exec_match"] for r in done)
@@ -134,7 +78,7 @@ def cmd_score(args) -> None:
             for r in recs:
                 fh.write(json.dumps(r) + "\n")
     if args.verdicts:
-        agree, n, diff = compare_verdicts(recs, args.verdicts)
+        agree, n, diff = spider_score.compare_verdicts(recs, args.verdicts)
         print(f"agreement with {os.path.basename(args.verdicts)}: {agree}/{n}"
               + (f"; differ at {diff}" if diff else ""))
 
@@ -220,7 +164,7 @@ def generate_chunk(model, tok, exs: list[dict], first: int, cfg, n: int, seed: i
     reps = [ex for ex in exs for _ in range(n)]  # rollout is example-major too
     lines = [one_line(t.final_sql) if t.finished else "" for t in trajs]
     spider = cfg.reward.mode == "spider"  # score the line as `score` will read it
-    eps = [reward.episode(t, ex, cfg.data.db_root, official_pred_text(line) if spider else line)
+    eps = [reward.episode(t, ex, cfg.data.db_root, spider_score.official_pred_text(line) if spider else line)
            for t, ex, line in zip(trajs, reps, lines)]
     rws = reward.episode_rewards(eps, cfg.reward, cfg.env.protocol, reward.conversation_pieces(tok, cfg.env))
     keys = [None] * len(trajs)

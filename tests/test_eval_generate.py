@@ -21,6 +21,7 @@ from conftest import ROOT, torchrun_env
 
 import dataset
 import eval as ev
+import spider_score
 import rollout
 import tiny
 from rollout import Trajectory
@@ -70,10 +71,10 @@ def read_out(out):
 
 
 def rescore(out, db_root, mode="set"):
-    """EX of predictions.sql by eval.score, the `eval.py score` code path."""
+    """EX of predictions.sql by spider_score.score, the `eval.py score` code path."""
     preds, _, _ = read_out(out)
-    gold = ev.read_gold(os.path.join(out, "gold.sql"))
-    recs = ev.score(preds, gold, db_root, mode)
+    gold = spider_score.read_gold(os.path.join(out, "gold.sql"))
+    recs = spider_score.score(preds, gold, db_root, mode)
     return sum(r["exec_match"] for r in recs) / len(recs), [r["exec_match"] for r in recs]
 
 
@@ -138,8 +139,8 @@ def test_placeholder_scores_wrong_even_against_an_empty_gold(setup):
     root = os.path.dirname(os.path.dirname(ex["db_file"]))
     gold = [("SELECT * FROM customers WHERE 0", ex["db_id"])]  # no rows: `SELECT 1 WHERE 0` would match
     for mode in ("set", "bag", "spider"):
-        assert ev.score(["SELECT 1 WHERE 0"], gold, root, mode)[0]["exec_match"]
-        assert not ev.score([ev.PLACEHOLDER], gold, root, mode)[0]["exec_match"]
+        assert spider_score.score(["SELECT 1 WHERE 0"], gold, root, mode)[0]["exec_match"]
+        assert not spider_score.score([ev.PLACEHOLDER], gold, root, mode)[0]["exec_match"]
 
 
 # -----------------------------------------------------------------------------
@@ -172,7 +173,7 @@ def test_files_order_and_placeholders(setup, greedy_run):
     assert s["format_error_rate"] == pytest.approx(sum(not t["format_ok"] for t in traces) / LIMIT)
     assert s["mean_turns"] == pytest.approx(sum(t["num_turns"] for t in traces) / LIMIT)
     assert set(s["ex_by_source"]) == {"toy"} and s["ex_by_source"]["toy"]["n"] == LIMIT
-    gold = ev.read_gold(os.path.join(greedy_run, "gold.sql"))
+    gold = spider_score.read_gold(os.path.join(greedy_run, "gold.sql"))
     assert [g[1] for g in gold] == [e["db_id"] for e in exs]
     ex, _ = rescore(greedy_run, ev.spider_db_root(exs))
     assert ex == pytest.approx(s["ex"])

@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import HAVE_SPIDER, ROOT, SPIDER, SPIDER_MISSING
 
-import eval as evaluate
+import spider_score
 
 PREDS = SPIDER.parent / "spider_preds"
 HAVE_PREDS = HAVE_SPIDER and (PREDS / "c3sql_gpt35.verdicts.jsonl").exists()
@@ -61,23 +61,23 @@ def test_score_cli(tiny_set):
 def test_score_modes_and_errors(tiny_set):
     tmp, gold, pred, root = tiny_set
     lines = pred.read_text().splitlines()
-    g = evaluate.read_gold(gold)
-    set_mode = [r["exec_match"] for r in evaluate.score(lines, g, str(root), "set")]
+    g = spider_score.read_gold(gold)
+    set_mode = [r["exec_match"] for r in spider_score.score(lines, g, str(root), "set")]
     assert set_mode == [True, True, False, False, False]  # no TAB cut / 'value' handling outside spider
-    bad = evaluate.score(["SELECT nope FROM item"] + lines[1:], g, str(root))
+    bad = spider_score.score(["SELECT nope FROM item"] + lines[1:], g, str(root))
     assert not bad[0]["exec_match"] and "no such column" in bad[0]["error"]
     with pytest.raises(SystemExit):
-        evaluate.score(lines[:2], g, str(root))
-    assert evaluate.official_pred_text("  SELECT a\tdb\n") == "SELECT a"
+        spider_score.score(lines[:2], g, str(root))
+    assert spider_score.official_pred_text("  SELECT a\tdb\n") == "SELECT a"
 
 
 @pytest.mark.skipif(not HAVE_PREDS, reason=SPIDER_MISSING + " (or spider_preds missing)")
 @pytest.mark.parametrize("system", ["c3sql_gpt35", "codex_fewshot"])
 def test_agrees_with_official_verdicts(system):
-    gold = evaluate.read_gold(str(SPIDER / "dev_gold.sql"))
+    gold = spider_score.read_gold(str(SPIDER / "dev_gold.sql"))
     lines = (PREDS / f"{system}.sql").read_text().split("\n")[:len(gold)]
-    recs = evaluate.score(lines, gold, str(SPIDER / "database"), "spider")
-    agree, n, diff = evaluate.compare_verdicts(recs, str(PREDS / f"{system}.verdicts.jsonl"))
+    recs = spider_score.score(lines, gold, str(SPIDER / "database"), "spider")
+    agree, n, diff = spider_score.compare_verdicts(recs, str(PREDS / f"{system}.verdicts.jsonl"))
     assert n == 972 and sum(r["skipped"] for r in recs) == 62
     assert diff == DOCUMENTED_DIFFERENCES[system], [(i, recs[i]) for i in diff[:5]]
     official = [json.loads(x) for x in (PREDS / f"{system}.verdicts.jsonl").read_text().splitlines()]
