@@ -187,13 +187,26 @@ def build_tiny(out_dir, texts=None, vocab_size: int = 1024, **model_kw) -> str:
 
 def prepare_assets(cfg):
     """Rank 0 of a run (cfg: config.Config): build the toy data and the tiny model if the config asks
-    and they are absent (data.prepare_toy, model.build_tiny)."""
-    if cfg.data.prepare_toy and not Path(cfg.data.train_path).exists():
-        import sys
-        sys.path.insert(0, str(Path(__file__).parent / "data"))
-        from prepare_toy import prepare_toy
-        print(f"building the toy set in {cfg.data.db_root}", flush=True)
+    (data.prepare_toy, model.build_tiny) and they are absent, or stamped with another toy version."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent / "data"))
+    from prepare_toy import TOY_VERSION, prepare_toy
+    # a toy set from an older prepare_toy.py (its layout or codes changed since) is built again,
+    # and so is a tiny model whose tokenizer was trained on it: the figures in the README are for
+    # the current set, and an old one silently gives others
+    toy_stamp = Path(cfg.data.db_root) / "toy_version"
+    stale = cfg.data.prepare_toy and Path(cfg.data.train_path).exists() and (
+        not toy_stamp.exists() or toy_stamp.read_text().strip() != str(TOY_VERSION))
+    rebuilt = cfg.data.prepare_toy and (stale or not Path(cfg.data.train_path).exists())
+    if rebuilt:
+        print(f"building the toy set (version {TOY_VERSION}) in {cfg.data.db_root}"
+              + (" (the one there is from an older prepare_toy.py)" if stale else ""), flush=True)
         prepare_toy(cfg.data.db_root, seed=cfg.data.toy_seed)
+    model_stamp = Path(cfg.model.path) / "toy_version"
+    if (cfg.data.prepare_toy and cfg.model.build_tiny and (Path(cfg.model.path) / "config.json").exists()
+            and (rebuilt or not model_stamp.exists() or model_stamp.read_text().strip() != str(TOY_VERSION))):
+        print(f"the tiny model in {cfg.model.path} was built on another toy set: building it again", flush=True)
+        (Path(cfg.model.path) / "config.json").unlink()
     if not (Path(cfg.model.path) / "config.json").exists():
         if not cfg.model.build_tiny:
             raise FileNotFoundError(f"model.path {cfg.model.path} has no config.json (and model.build_tiny is false)")
@@ -203,6 +216,8 @@ def prepare_assets(cfg):
         build_tiny(m.path, texts, vocab_size=m.tiny_vocab_size, family=m.tiny_family,
                         hidden_size=m.tiny_hidden_size, layers=m.tiny_layers, heads=m.tiny_heads,
                         kv_heads=m.tiny_kv_heads, intermediate_size=m.tiny_intermediate_size, seed=cfg.train.seed)
+        if cfg.data.prepare_toy:  # its tokenizer was trained on this toy set
+            model_stamp.write_text(f"{TOY_VERSION}\n")
 
 
 def tokenizer_corpus(cfg) -> list[str]:

@@ -9,7 +9,11 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SEEDS=${*:-1 2 3}
 export CUDA_VISIBLE_DEVICES=""
-[ -f runs/toy/train.jsonl ] || $PY data/prepare_toy.py --out runs/toy >/dev/null  # once, not per seed
+# once, not per seed (concurrent seeds would race to build it); again when it is absent or from an
+# older prepare_toy.py (the toy_version stamp tiny.prepare_assets checks)
+TOY_VERSION=$($PY -c 'import sys; sys.path.insert(0, "data"); from prepare_toy import TOY_VERSION; print(TOY_VERSION)')
+[ -f runs/toy/train.jsonl ] && [ "$(cat runs/toy/toy_version 2>/dev/null)" = "$TOY_VERSION" ] \
+    || $PY data/prepare_toy.py --out runs/toy >/dev/null
 start=$SECONDS
 n_seeds=$(echo $SEEDS | wc -w)
 for S in $SEEDS; do

@@ -3,8 +3,8 @@
     python data/prepare_toy.py --out runs/toy [--seed 0]
 
 Writes, under --out:
-    database/<db_id>/<db_id>.sqlite   65 small databases: 5 schema families x 13 (data/toy_schemas.py)
-    train.jsonl                       ~2000 questions on 60 databases (canonical records, dataset.py)
+    database/<db_id>/<db_id>.sqlite   125 small databases: 5 schema families x 25 (data/toy_schemas.py)
+    train.jsonl                       ~2000 questions on 120 databases (canonical records, dataset.py)
     eval.jsonl                        ~300 questions on the 5 held-out databases (one per family)
 Records' db_path is relative to --out. Each record also carries `template` (for per-template EX).
 
@@ -14,12 +14,12 @@ unseen identifiers. Gold SQL is short and canonical (uppercase keywords, single 
 Two kinds of question, mixed (~73% need the tool):
   direct     every literal of the gold appears verbatim in the question (the model copies it);
   tool       the question names a category as people say it ("Paris", "pending") but the database
-             stores a code ('Paris4', 'pending7', the digit drawn per database: toy_schemas.py),
+             stores a code ('Paris47', 'pending73', the digits drawn per database: toy_schemas.py),
              and the prompt shows no values. The record's `lookup_sql` (SELECT DISTINCT city FROM
              customers WHERE city LIKE 'Paris%') returns the code. Reading that observation is
-             what makes the final query right: held-out databases have other digits, never the
-             one training golds use most for the word, so a memorised code is wrong there.
-  refine     a tool question on the column a database stores behind a prefix ('st_pending7',
+             what makes the final query right: no database stores a code another one stores for
+             the word, so a memorised code is wrong held-out and seldom right on train.
+  refine     a tool question on the column a database stores behind a prefix ('st_pending73',
              toy_schemas.code_prefix; one of the two category columns of every database): the
              natural lookup (LIKE 'pending%', the record's `first_lookup_sql`) returns no rows,
              and only a broader one (LIKE '%pending%', its `lookup_sql`) shows the code. Nothing
@@ -50,19 +50,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # toy_schemas.py
 from dataset import make_record, write_jsonl  # noqa: E402
 from toy_schemas import CODE_DIGITS, CODE_SEP, FAMILIES, encode_categories, make_rows, write_db  # noqa: E402
 
-# 'Paris4' -> ('Paris', '4'), 'ci_Paris4' -> ('Paris', '4')
+# 'Paris47' -> ('Paris', '47'), 'ci_Paris47' -> ('Paris', '47')
 CODE = re.compile(rf"(?:[a-z]{{2}}_)?([A-Za-z]+){re.escape(CODE_SEP)}(\d{{{CODE_DIGITS}}})")
 
 # many small databases: with 3 training databases per family the model memorised their codes
-# (and wrote them on held-out databases); with 12 it cannot, and copies from the observation
-DBS_PER_FAMILY = 13  # the last one of each family is held out for eval
-TRAIN_PER_DB = 34  # 60 train dbs -> 2040 questions
+# (and wrote them on held-out databases); with 12 it could not, but one database asked ~3
+# questions about each of its codes, so the most-seen code still paid on 31% of the training tool
+# questions. 24 databases of 17 questions ask about a code about once (chosen least-asked first)
+DBS_PER_FAMILY = 25  # the last one of each family is held out for eval
+TRAIN_PER_DB = 17  # 120 train dbs -> 2040 questions
 EVAL_PER_DB = 60  # 5 eval dbs -> 300 questions
 MAX_EMPTY_FRACTION = 0.05  # a template whose golds are emptier than this fails the build
 # tool templates come up 13x as often in the round-robin: ~73% of the questions need the lookup, so
 # a policy that calls the tool when (and only when) it pays makes ~0.7 tool calls per episode, and
 # the warm start sees enough lookups to learn to copy the code from the observation
 TOOL_WEIGHT = 13
+# bumped whenever the set's layout or codes change: tiny.prepare_assets rebuilds an older set (and
+# the tiny model whose tokenizer was trained on it). 2: two-digit codes never reused across databases,
+# 25 databases per family with 17 questions each (the memoriser's reward on train 31% -> 11%)
+TOY_VERSION = 2
 
 # -----------------------------------------------------------------------------
 # question templates: each returns (question, gold_sql) or None (not applicable here; retried)
@@ -84,6 +90,7 @@ class Ctx:
     def __init__(self, rng, fam, rows, names):
         self.rng, self.fam, self.rows, self.names = rng, fam, rows, names  # names: {table: {code: name}}
         self.P, self.C = fam["parent"], fam["child"]
+        self.asked = Counter()  # code -> questions drawn on it in this database
 
     def table(self, need=None):
         sides = [s for s in ("parent", "child") if need is None or self.fam[s].get(need)]
@@ -103,7 +110,10 @@ class Ctx:
 
     def category(self, t, rs):
         """A stored code of t's categorical column -> (code, the name people say, lookups(...))."""
-        code = self.rng.choice(self.vals(rs, t["cat"]))
+        codes = self.vals(rs, t["cat"])
+        fewest = min(self.asked[c] for c in codes)
+        code = self.rng.choice([c for c in codes if self.asked[c] == fewest])
+        self.asked[code] += 1
         name = self.names[t["table"]][code]
         return code, name, lookups(t["table"], t["cat"], name, code)
 
@@ -461,19 +471,19 @@ def prepare_toy(out_dir, seed: int = 0, verbose: bool = False) -> dict:
     right, memoriser_right}}."""
     out = Path(out_dir)
     splits = {"train": [], "eval": []}
-    seen = defaultdict(Counter)  # word -> Counter(digit) over the training golds' codes
+    seen = defaultdict(Counter)  # word -> Counter(digits) of the codes training golds used so far
     for split in ("train", "eval"):  # training databases first: the held-out ones avoid their codes
         for family, fam in FAMILIES.items():
             for i in (range(1, DBS_PER_FAMILY) if split == "train" else [DBS_PER_FAMILY]):
                 db_id = f"{family}_{i}"
                 rng = random.Random(f"toy-rows:{seed}:{db_id}")
                 rows = make_rows(rng, fam)
-                # a memoriser writes the code it saw most in training: held-out databases never
-                # store it (chance alone gave seed 0 a memoriser right on 23% of held-out tool questions)
-                avoid = {w: {d for d, k in c.items() if k == max(c.values())} for w, c in seen.items()}
-                # one of the two category columns stores its codes behind a prefix ('st_pending7')
+                # a memoriser writes the code it saw most in training: no database stores a code
+                # a training gold already used for the word (while a fresh one is left)
+                avoid = {w: set(c) for w, c in seen.items()}
+                # one of the two category columns stores its codes behind a prefix ('st_pending73')
                 prefixed = (rng.choice(["parent", "child"]),)
-                names = encode_categories(rng, fam, rows, avoid if split == "eval" else None, prefixed)
+                names = encode_categories(rng, fam, rows, avoid, prefixed)
                 rel = f"database/{db_id}/{db_id}.sqlite"
                 write_db(out / rel, fam, rows)
                 qs = questions(random.Random(f"toy-questions:{seed}:{db_id}"), fam, rows, names,
@@ -488,6 +498,7 @@ def prepare_toy(out_dir, seed: int = 0, verbose: bool = False) -> dict:
     for split in ("eval", "train"):  # train.jsonl last: the trainer takes it as "the set is there"
         check_golds(out, splits[split])
         write_jsonl(out / f"{split}.jsonl", splits[split])
+    (out / "toy_version").write_text(f"{TOY_VERSION}\n")
     stats = {s: len(r) for s, r in splits.items()}
     stats["templates"] = {s: Counter(r["template"] for r in recs) for s, recs in splits.items()}
     stats["tool"] = {s: sum(bool(r["lookup_sql"]) for r in recs) for s, recs in splits.items()}

@@ -9,9 +9,9 @@ its columns a role the question templates use:
 All databases of a family share table and column names and differ in their rows, so a tiny model
 can learn the vocabulary of a family and still meet unseen rows (and literals) at eval time.
 Categorical values are stored as codes, not as people say them (encode_categories): "Paris" is
-'Paris4', "pending" is 'pending7'; the digit is drawn per database and value, so only a look at
+'Paris47', "pending" is 'pending73'; the digits are drawn per database and value, so only a look at
 the column (SELECT DISTINCT city FROM customers) tells which code a question's "Paris" needs.
-Some databases put a column prefix before the word ('st_pending7', 'ci_Paris4'): a lookup of the
+Some databases put a column prefix before the word ('st_pending73', 'ci_Paris47'): a lookup of the
 codes that *start* with the word finds nothing there, one of the codes that *contain* it does.
 Not run directly: `python data/prepare_toy.py --out DIR` uses it.
 """
@@ -163,11 +163,11 @@ def make_rows(rng: random.Random, fam: dict) -> dict[str, list[dict]]:
     return rows
 
 
-# One digit, right after the word: the digit then follows the word's token directly, in the
-# observation as in the SQL, which a small model learns to copy (find the word, take the next
-# token). 'Paris-42' (two digits after a dash, whose row is found two tokens back) was never
-# copied in 400 SFT steps (0% EX on held-out tool questions, against 13% for 'Paris4').
-CODE_DIGITS = 1
+# Digits right after the word: they follow the word's token directly, in the observation as in
+# the SQL, which a small model learns to copy (find the word, take the next tokens). 'Paris-42'
+# (a dash between) was never copied in 400 SFT steps (0% EX on held-out tool questions, against
+# 13% for 'Paris4'). Two digits (90 codes a word) let codes stay unique across the databases.
+CODE_DIGITS = 2
 CODE_SEP = ""
 
 
@@ -181,15 +181,16 @@ def code_prefix(column: str) -> str:
 def encode_categories(rng: random.Random, fam: dict, rows: dict,
                       avoid: dict[str, set[int]] | None = None,
                       prefixed: tuple[str, ...] = ()) -> dict[str, dict[str, str]]:
-    """Replace every categorical value by its code, in place: the word then a digit drawn here
-    ('Paris' -> 'Paris4'), distinct within a column. The word is the piece the question shares
+    """Replace every categorical value by its code, in place: the word then CODE_DIGITS digits drawn
+    here ('Paris' -> 'Paris47'), distinct within a column. The word is the piece the question shares
     with the code: the model copies it from the question, finds the row that starts with it in the
-    lookup's observation and copies the digit from there (the same tokens in both places: after a
-    line break and after the SQL quote the word has no leading space). Digits are drawn per
-    database, but a word is asked about in ~8 training databases, unevenly: the code training
-    golds use most for a word is the gold of ~30% of the training tool questions (seed 0: 471 of
-    1536, prepare_toy.memoriser_right), reward a policy earns there without looking; `avoid` ({word: digits}, for the
-    held-out databases: the digits training golds use most for that word) makes it never right.
+    lookup's observation and copies the digits from there (the same tokens in both places: after a
+    line break and after the SQL quote the word has no leading space). `avoid` ({word: digits}: those
+    earlier databases stored for the word) keeps a code from recurring across databases while a
+    fresh one is left, so a policy that writes the code it saw most in training without looking
+    (prepare_toy.memoriser_right) is never right held-out and seldom on train: 11% of the training
+    tool questions at seed 0, where one-digit codes reused across databases gave it 31%, more than
+    the warm start's two-lookup route earned, and GRPO dropped the tool.
     `prefixed` names the sides ("parent", "child") whose column stores its codes behind
     code_prefix ('st_pending7'): there the natural lookup (LIKE 'pending%') returns no rows and
     only a broader one (LIKE '%pending%') shows the code. Returns {table: {code: name}}."""
@@ -200,8 +201,9 @@ def encode_categories(rng: random.Random, fam: dict, rows: dict,
         present = sorted({r[col] for r in rows[side] if r[col] is not None})
         code, used = {}, set()
         for v in present:
-            digit = rng.choice([d for d in range(10 ** (CODE_DIGITS - 1), 10 ** CODE_DIGITS)
-                                if d not in used and d not in avoid.get(v, ())])
+            free = [d for d in range(10 ** (CODE_DIGITS - 1), 10 ** CODE_DIGITS) if d not in used]
+            fresh = [d for d in free if d not in avoid.get(v, ())]
+            digit = rng.choice(fresh or free)
             used.add(digit)
             code[v] = (code_prefix(col) if side in prefixed else "") + f"{v}{CODE_SEP}{digit}"
         for r in rows[side]:

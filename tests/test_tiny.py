@@ -101,3 +101,28 @@ def test_cli_with_jsonl_corpus(tmp_path):
     assert cfg["model_type"] == "llama" and cfg["hidden_size"] == 32
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.convert_ids_to_tokens(tok(" table")["input_ids"]) == ["Ġtable"]  # merged from the corpus
+
+
+def test_an_older_toy_set_and_its_tiny_model_are_built_again(tmp_path):
+    """A clone that ran an older prepare_toy.py keeps runs/toy and runs/tiny/model: the next run
+    must not train on them silently (other codes, another tokenizer). prepare_assets sees their
+    toy_version stamp and builds both again; a current pair is left alone."""
+    import os
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "data"))
+    from conftest import build_tiny_assets
+    from prepare_toy import TOY_VERSION
+    build_tiny_assets(tmp_path)
+    train, weights = tmp_path / "toy" / "train.jsonl", tmp_path / "model" / "model.safetensors"
+    assert (tmp_path / "toy" / "toy_version").read_text().strip() == str(TOY_VERSION)
+    assert (tmp_path / "model" / "toy_version").read_text().strip() == str(TOY_VERSION)
+    os.utime(train, (1, 1)), os.utime(weights, (1, 1))
+    build_tiny_assets(tmp_path)  # current: nothing rebuilt
+    assert train.stat().st_mtime == 1 and weights.stat().st_mtime == 1
+    (tmp_path / "toy" / "toy_version").write_text("1\n")  # as an older prepare_toy.py left it
+    train.write_text(train.read_text().replace("SELECT", "SELECT ", 1))
+    before = train.read_text()
+    build_tiny_assets(tmp_path)
+    assert train.read_text() != before and train.stat().st_mtime > 1  # the set, built again
+    assert weights.stat().st_mtime > 1  # and the model whose tokenizer was trained on the old one
+    assert (tmp_path / "toy" / "toy_version").read_text().strip() == str(TOY_VERSION)
