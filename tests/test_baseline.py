@@ -62,7 +62,14 @@ def test_scored_like_any_episode(toy):
     """EX of the summary == an independent sqlite3 + set comparison of final vs gold."""
     root, exs = toy
     cfg = cfg_for(root)
+    # The toy's golds filter on a per-database code, so a random query almost never matches one
+    # (0 of 180 here). For the comparison below to see matches too, 5 examples get as gold the
+    # random answer their first episode will write: an episode's random stream depends on the seed
+    # and its (example, sample) index, not on the gold, so the second run writes the same queries.
+    _, first, _ = baseline.run(exs, cfg, seed=0, samples=3)
+    exs = [dict(ex, gold_sql=first[3 * i]["final_sql"]) if i < 5 else ex for i, ex in enumerate(exs)]
     s, eps, rw = baseline.run(exs, cfg, seed=0, samples=3)
+    assert [e["final_sql"] for e in eps] == [e["final_sql"] for e in first]
     mine = []
     for e in eps:
         pred, gold = rows(e["db_path"], e["final_sql"]), rows(e["db_path"], e["gold_sql"])
@@ -71,7 +78,8 @@ def test_scored_like_any_episode(toy):
     assert s["ex"] == pytest.approx(sum(mine) / len(mine))
     assert s["reward"] == pytest.approx(sum(mine) / len(mine))  # tags: correct 1, wrong 0, format always ok
     assert s["format_err"] == 0.0 and s["n"] == 3 * len(exs)
-    assert 0.0 < s["ex"] < 0.5  # the toy's COUNT(*) questions are sometimes hit at random, rarely more
+    assert all(mine[3 * i] for i in range(5))  # the planted golds
+    assert 5 / len(mine) <= s["ex"] < 0.5  # the rest are rarely hit at random
 
 
 def test_actions_protocol_and_dense_reward(toy):
