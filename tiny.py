@@ -191,22 +191,30 @@ def prepare_assets(cfg):
     import sys
     sys.path.insert(0, str(Path(__file__).parent / "data"))
     from prepare_toy import TOY_VERSION, prepare_toy
-    # a toy set from an older prepare_toy.py (its layout or codes changed since) is built again,
-    # and so is a tiny model whose tokenizer was trained on it: the figures in the README are for
-    # the current set, and an old one silently gives others
+    # A toy set from an older prepare_toy.py (its layout or codes changed since) is built again, and
+    # so is a tiny model whose tokenizer was trained on it: the README's figures are for the current
+    # set, and an old one silently gives others. Only what this code built is replaced: a toy folder
+    # whose records say source "toy", a model folder carrying the toy_version stamp build_tiny
+    # writes. A checkpoint's hf/ folder has no stamp and is never touched (its weights are a run's).
     toy_stamp = Path(cfg.data.db_root) / "toy_version"
     stale = cfg.data.prepare_toy and Path(cfg.data.train_path).exists() and (
         not toy_stamp.exists() or toy_stamp.read_text().strip() != str(TOY_VERSION))
+    if stale and not _is_toy_set(cfg.data.train_path):
+        raise ValueError(f"data.prepare_toy is true but {cfg.data.train_path} is not a toy set (its records' "
+                         f"source is not 'toy'): set data.prepare_toy false to train on it")
     rebuilt = cfg.data.prepare_toy and (stale or not Path(cfg.data.train_path).exists())
     if rebuilt:
         print(f"building the toy set (version {TOY_VERSION}) in {cfg.data.db_root}"
               + (" (the one there is from an older prepare_toy.py)" if stale else ""), flush=True)
         prepare_toy(cfg.data.db_root, seed=cfg.data.toy_seed)
     model_stamp = Path(cfg.model.path) / "toy_version"
-    if (cfg.data.prepare_toy and cfg.model.build_tiny and (Path(cfg.model.path) / "config.json").exists()
-            and (rebuilt or not model_stamp.exists() or model_stamp.read_text().strip() != str(TOY_VERSION))):
-        print(f"the tiny model in {cfg.model.path} was built on another toy set: building it again", flush=True)
-        (Path(cfg.model.path) / "config.json").unlink()
+    if cfg.data.prepare_toy and cfg.model.build_tiny and (Path(cfg.model.path) / "config.json").exists():
+        if model_stamp.exists() and (rebuilt or model_stamp.read_text().strip() != str(TOY_VERSION)):
+            print(f"the tiny model in {cfg.model.path} was built on another toy set: building it again", flush=True)
+            (Path(cfg.model.path) / "config.json").unlink()
+        elif not model_stamp.exists() and rebuilt:
+            print(f"note: {cfg.model.path} has no toy_version stamp (a checkpoint, or a tiny model built before "
+                  f"stamps): used as it is; delete it to build a tiny model on the toy set just built", flush=True)
     if not (Path(cfg.model.path) / "config.json").exists():
         if not cfg.model.build_tiny:
             raise FileNotFoundError(f"model.path {cfg.model.path} has no config.json (and model.build_tiny is false)")
@@ -218,6 +226,17 @@ def prepare_assets(cfg):
                         kv_heads=m.tiny_kv_heads, intermediate_size=m.tiny_intermediate_size, seed=cfg.train.seed)
         if cfg.data.prepare_toy:  # its tokenizer was trained on this toy set
             model_stamp.write_text(f"{TOY_VERSION}\n")
+
+
+def _is_toy_set(train_path) -> bool:
+    """Whether a records file was written by data/prepare_toy.py (its first record's source)."""
+    import json
+    with open(train_path) as fh:
+        first = fh.readline()
+    try:
+        return json.loads(first).get("source") == "toy"
+    except (json.JSONDecodeError, AttributeError):
+        return False
 
 
 def tokenizer_corpus(cfg) -> list[str]:

@@ -3,6 +3,7 @@
 Run: .venv/bin/pytest tests/test_tiny.py -q
 """
 import json
+import shutil
 import subprocess
 import sys
 
@@ -126,3 +127,36 @@ def test_an_older_toy_set_and_its_tiny_model_are_built_again(tmp_path):
     assert train.read_text() != before and train.stat().st_mtime > 1  # the set, built again
     assert weights.stat().st_mtime > 1  # and the model whose tokenizer was trained on the old one
     assert (tmp_path / "toy" / "toy_version").read_text().strip() == str(TOY_VERSION)
+
+
+def test_a_checkpoint_or_foreign_data_is_never_overwritten(tmp_path, capsys):
+    """model.path may be a trained checkpoint's hf/ folder (no toy_version stamp): rebuilding the
+    toy set must not replace its weights with a random tiny model. And data.prepare_toy over a
+    records file that is not the toy's is refused, not overwritten."""
+    from pathlib import Path
+    import config as C
+    from conftest import build_tiny_assets
+    settings = build_tiny_assets(tmp_path)
+    ckpt = tmp_path / "ckpt_000032" / "hf"
+    shutil.copytree(tmp_path / "model", ckpt)
+    (ckpt / "toy_version").unlink()  # checkpoint.export_hf writes config, weights, tokenizer: no stamp
+    from safetensors.torch import load_file, save_file
+    trained = {k: v + 0.5 for k, v in load_file(ckpt / "model.safetensors").items()}  # not what a build gives
+    save_file(trained, ckpt / "model.safetensors", metadata={"format": "pt"})
+    weights = (ckpt / "model.safetensors").read_bytes()
+    (tmp_path / "toy" / "toy_version").write_text("1\n")  # an older toy set: it is built again
+    cfg = C.load_config(["--" + a for a in settings] + [f"--model.path={ckpt}"])
+    tiny.prepare_assets(cfg)
+    assert (tmp_path / "toy" / "toy_version").read_text().strip() != "1"
+    assert (ckpt / "model.safetensors").read_bytes() == weights and (ckpt / "config.json").exists()
+    assert "has no toy_version stamp" in capsys.readouterr().out
+    # someone's own records under a config that says prepare_toy: refused, the file kept
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    records = json.dumps({"id": "q1", "source": "spider", "db_id": "x", "question": "?", "gold_sql": "SELECT 1"})
+    (mine / "train.jsonl").write_text(records + "\n")
+    cfg = C.load_config(["--" + a for a in settings] + [f"--data.train_path={mine}/train.jsonl",
+                                                        f"--data.db_root={mine}"])
+    with pytest.raises(ValueError, match="not a toy set"):
+        tiny.prepare_assets(cfg)
+    assert (mine / "train.jsonl").read_text() == records + "\n"
