@@ -134,8 +134,10 @@ class SamplingConfig:
     # blocks in place, gather = copy each row's blocks out then SDPA (the reference); auto = flex on CUDA
     paged_attention: str = choice("auto", "auto", "gather", "flex")
     # decode steps run on the device between two host reads of the sampled tokens (1 = every step);
-    # a row that ends its turn inside a window idles for the rest of it
-    decode_steps_per_sync: int = 8
+    # a row that ends its turn inside a window idles for the rest of it. 0 = by device: 8 on CUDA
+    # (a host read costs a sync there), 1 elsewhere (on CPU the read is cheap and every idle row still
+    # costs its share of each forward: windows of 8 ran 168 forwards where 1 ran 90, toy rollout)
+    decode_steps_per_sync: int = 0
     eval_temperature: float = 0.0  # 0 = greedy
 
 

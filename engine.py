@@ -32,6 +32,15 @@ from scheduler import Scheduler, Sequence
 PREFILL_TOKENS = 16384  # padded tokens per prefill forward (bounds its attention mask and activations)
 
 
+def window_steps(cfg, device: torch.device) -> int:
+    """Decode steps per host read: sampling.decode_steps_per_sync, or when 0, 8 on CUDA (where a read
+    is a device sync and windows keep the GPU busy) and 1 elsewhere (a CPU forward costs about the
+    same for idle rows, and a window holds finished rows and new turns back until it ends)."""
+    if cfg.decode_steps_per_sync:
+        return cfg.decode_steps_per_sync
+    return 8 if device.type == "cuda" else 1
+
+
 class Engine:
     MIRROR_ON_CPU = True  # decode reads a contiguous mirror of the batch's K/V (DecodeRows); tests turn it off
 
@@ -48,8 +57,8 @@ class Engine:
         if worst_case and cfg.kv_budget_tokens < max(worst_case):
             raise ValueError(f"sampling.kv_budget_tokens={cfg.kv_budget_tokens} cannot hold one sequence of "
                              f"{max(worst_case)} tokens (its prompt + turns, at most max_context): raise it")
-        if cfg.decode_steps_per_sync < 1:
-            raise ValueError(f"sampling.decode_steps_per_sync={cfg.decode_steps_per_sync} must be >= 1")
+        if cfg.decode_steps_per_sync < 0:
+            raise ValueError(f"sampling.decode_steps_per_sync={cfg.decode_steps_per_sync} must be >= 0 (0 = by device)")
         n_blocks = max(1, min(-(-cfg.kv_budget_tokens // bs), sum(-(-w // bs) for w in worst_case)))
         self.cache = PagedKVCache.for_model(model, n_blocks, bs, dtype or weight.dtype, cfg.paged_attention)
         mirror = self.device.type == "cpu" and self.MIRROR_ON_CPU and self.cache.attention == "gather"
@@ -78,7 +87,7 @@ class Engine:
         self.blocks = BlockManager(n_blocks, bs)
         self.scheduler = Scheduler(self.blocks, self.cfg.max_decode_rows, PREFILL_TOKENS)
         self.runner.reset(stopper.candidates(self.model.config.vocab_size), greedy=greedy, logits_hook=logits_hook)
-        self.window = 1 if logits_hook is not None else self.cfg.decode_steps_per_sync
+        self.window = 1 if logits_hook is not None else window_steps(self.cfg, self.device)
         # what a benchmark reads: steps, and per decode step the live rows and the blocks in use
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "live_rows": 0, "blocks_used": 0, "tokens_live": 0}
         self.steps = 0  # forwards run (the clock ToolCalls schedules by)

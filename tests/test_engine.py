@@ -361,6 +361,18 @@ def test_decode_windows_match_reference(biased, window):
     assert false_alarms > 0  # rows the device stopped on a token that ended nothing decoded on
 
 
+def test_decode_window_by_device(biased):
+    """decode_steps_per_sync 0 picks the window by device (windows save syncs on CUDA; on CPU they
+    only hold finished rows); a set value wins; a negative one is refused."""
+    from engine import window_steps
+    assert window_steps(scfg(decode_steps_per_sync=0), torch.device("cpu")) == 1
+    assert window_steps(scfg(decode_steps_per_sync=0), torch.device("cuda")) == 8
+    assert window_steps(scfg(decode_steps_per_sync=3), torch.device("cpu")) == 3
+    from engine import Engine
+    with pytest.raises(ValueError, match="decode_steps_per_sync"):
+        Engine(biased[1], scfg(decode_steps_per_sync=-1), StopChecker(None, [], []), worst_case=[64])
+
+
 def test_rollout_with_decode_windows_matches_reference(biased, db, engines):
     """Multi-turn, a KV budget that evicts, windows of 4: the same episodes as the reference."""
     tok, model = biased
