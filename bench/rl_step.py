@@ -9,7 +9,9 @@ folder for a realistic one). grpo.dynamic_sampling is not applied (it would drop
 a random model): the update runs on all P x G episodes, again the worst case. Step 1 is a
 warm-up (SQL pool start-up, page cache); the headline is the median of the later steps.
 
-    .venv/bin/python bench/rl_step.py [--steps 3] [--threads 2] [--model DIR] [--prompts 32]
+    .venv/bin/python bench/rl_step.py [--steps 3] [--threads 2] [--model DIR] [--prompts 32] [--toy DIR]
+
+--toy DIR reads DIR/toy (e.g. one copy of runs/toy for two commits compared back to back).
 """
 import argparse
 import os
@@ -38,9 +40,10 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="", help="HF folder (default: tiny.yaml's random model)")
     ap.add_argument("--prompts", type=int, default=0, help="prompts per step (default: the config's)")
+    ap.add_argument("--toy", default="", help="a folder holding toy/ (default: build it in a temp folder)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    d = tempfile.mkdtemp(prefix="bench_rl_step_")
+    d = a.toy or tempfile.mkdtemp(prefix="bench_rl_step_")
     cfg = C.load_config([os.path.join(ROOT, "configs", "tiny.yaml"), f"--data.db_root={d}/toy",
                          f"--data.train_path={d}/toy/train.jsonl", f"--data.eval_path={d}/toy/eval.jsonl",
                          f"--model.path={a.model or d + '/model'}"])
