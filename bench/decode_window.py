@@ -6,7 +6,7 @@ A window runs its steps for every running row; a row whose turn ends inside it i
 and its next turn (after the tool call) waits for the window. On CUDA a host read is a device sync,
 so windows pay; on CPU each idle row still costs its share of every forward.
 
-    .venv/bin/python bench/decode_window.py --model runs/tiny/ckpt_000000/hf [--toy runs/toy] [--pairs 3]
+    .venv/bin/python bench/decode_window.py --model runs/tiny/ckpt_000000/hf [--toy runs] [--pairs 3]
 
 --model: a trained checkpoint's hf/ folder (a warm start: turns of realistic length; a random
 model runs every turn to max_new_tokens, where windows cost nothing). Prints each rollout, then
@@ -31,18 +31,19 @@ from model import Transformer  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="a checkpoint's hf/ folder")
-    ap.add_argument("--toy", default=os.path.join(ROOT, "runs", "toy"), help="the toy set's folder")
+    ap.add_argument("--toy", default=os.path.join(ROOT, "runs"), help="a folder holding toy/ (as bench/rl_step.py)")
     ap.add_argument("--pairs", type=int, default=3, help="timed pairs (after one warm-up pair)")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(a.model)
-    cfgs = {w: C.load_config([os.path.join(ROOT, "configs", "tiny.yaml"), f"--data.db_root={a.toy}",
-                              f"--data.train_path={a.toy}/train.jsonl", f"--model.path={a.model}",
+    toy = os.path.join(a.toy, "toy")
+    cfgs = {w: C.load_config([os.path.join(ROOT, "configs", "tiny.yaml"), f"--data.db_root={toy}",
+                              f"--data.train_path={toy}/train.jsonl", f"--model.path={a.model}",
                               f"--sampling.decode_steps_per_sync={w}"]) for w in (8, 1)}
     P, G = cfgs[8].grpo.prompts_per_step, cfgs[8].grpo.group_size
-    exs = dataset.load_examples(cfgs[8].data.train_path, a.toy)[:P]
+    exs = dataset.load_examples(cfgs[8].data.train_path, toy)[:P]
     # one model (so one PolicySampler and engine) per setting, as a run keeps one
     models = {w: Transformer.from_pretrained(a.model, dtype=torch.float32) for w in cfgs}
     times = {w: [] for w in cfgs}
