@@ -185,28 +185,38 @@ def build_tiny(out_dir, texts=None, vocab_size: int = 1024, **model_kw) -> str:
 # a run's assets (train.py, sweep.py, tests, benchmarks)
 
 
-def prepare_assets(cfg):
-    """Rank 0 of a run (cfg: config.Config): build the toy data and the tiny model if the config asks
-    (data.prepare_toy, model.build_tiny) and they are absent, or stamped with another toy version."""
+def prepare_toy_set(data_cfg) -> bool:
+    """Build the toy set at data_cfg.db_root when data.prepare_toy asks and it is absent or from an
+    older prepare_toy.py (its toy_version stamp). Returns whether it was built now."""
     import sys
     sys.path.insert(0, str(Path(__file__).parent / "data"))
     from prepare_toy import TOY_VERSION, prepare_toy
+    if not data_cfg.prepare_toy:
+        return False
+    toy_stamp = Path(data_cfg.db_root) / "toy_version"
+    stale = Path(data_cfg.train_path).exists() and (
+        not toy_stamp.exists() or toy_stamp.read_text().strip() != str(TOY_VERSION))
+    if stale and not _is_toy_set(data_cfg.train_path):
+        raise ValueError(f"data.prepare_toy is true but {data_cfg.train_path} is not a toy set (its records' "
+                         f"source is not 'toy'): set data.prepare_toy false to train on it")
+    if not stale and Path(data_cfg.train_path).exists():
+        return False
+    print(f"building the toy set (version {TOY_VERSION}) in {data_cfg.db_root}"
+          + (" (the one there is from an older prepare_toy.py)" if stale else ""), flush=True)
+    prepare_toy(data_cfg.db_root, seed=data_cfg.toy_seed)
+    return True
+
+
+def prepare_assets(cfg):
+    """Rank 0 of a run (cfg: config.Config): build the toy data and the tiny model if the config asks
+    (data.prepare_toy, model.build_tiny) and they are absent, or stamped with another toy version."""
     # A toy set from an older prepare_toy.py (its layout or codes changed since) is built again, and
     # so is a tiny model whose tokenizer was trained on it: the README's figures are for the current
     # set, and an old one silently gives others. Only what this code built is replaced: a toy folder
     # whose records say source "toy", a model folder carrying the toy_version stamp build_tiny
     # writes. A checkpoint's hf/ folder has no stamp and is never touched (its weights are a run's).
-    toy_stamp = Path(cfg.data.db_root) / "toy_version"
-    stale = cfg.data.prepare_toy and Path(cfg.data.train_path).exists() and (
-        not toy_stamp.exists() or toy_stamp.read_text().strip() != str(TOY_VERSION))
-    if stale and not _is_toy_set(cfg.data.train_path):
-        raise ValueError(f"data.prepare_toy is true but {cfg.data.train_path} is not a toy set (its records' "
-                         f"source is not 'toy'): set data.prepare_toy false to train on it")
-    rebuilt = cfg.data.prepare_toy and (stale or not Path(cfg.data.train_path).exists())
-    if rebuilt:
-        print(f"building the toy set (version {TOY_VERSION}) in {cfg.data.db_root}"
-              + (" (the one there is from an older prepare_toy.py)" if stale else ""), flush=True)
-        prepare_toy(cfg.data.db_root, seed=cfg.data.toy_seed)
+    rebuilt = prepare_toy_set(cfg.data)
+    from prepare_toy import TOY_VERSION  # data/ is on sys.path once prepare_toy_set ran
     model_stamp = Path(cfg.model.path) / "toy_version"
     if cfg.data.prepare_toy and cfg.model.build_tiny and (Path(cfg.model.path) / "config.json").exists():
         if model_stamp.exists() and (rebuilt or model_stamp.read_text().strip() != str(TOY_VERSION)):

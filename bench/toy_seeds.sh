@@ -10,10 +10,8 @@ PY=${PYTHON:-python3}
 SEEDS=${*:-1 2 3}
 export CUDA_VISIBLE_DEVICES=""
 # once, not per seed (concurrent seeds would race to build it); again when it is absent or from an
-# older prepare_toy.py (the toy_version stamp tiny.prepare_assets checks)
-TOY_VERSION=$($PY -c 'import sys; sys.path.insert(0, "data"); from prepare_toy import TOY_VERSION; print(TOY_VERSION)')
-[ -f runs/toy/train.jsonl ] && [ "$(cat runs/toy/toy_version 2>/dev/null)" = "$TOY_VERSION" ] \
-    || $PY data/prepare_toy.py --out runs/toy >/dev/null
+# older prepare_toy.py: the rule every run applies (tiny.prepare_toy_set)
+$PY -c 'import config, tiny; tiny.prepare_toy_set(config.load_config(["configs/tiny.yaml"]).data)' >/dev/null
 start=$SECONDS
 n_seeds=$(echo $SEEDS | wc -w)
 for S in $SEEDS; do

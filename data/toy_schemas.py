@@ -192,7 +192,7 @@ def encode_categories(rng: random.Random, fam: dict, rows: dict,
     tool questions at seed 0, where one-digit codes reused across databases gave it 31%, more than
     the warm start's two-lookup route earned, and GRPO dropped the tool.
     `prefixed` names the sides ("parent", "child") whose column stores its codes behind
-    code_prefix ('st_pending7'): there the natural lookup (LIKE 'pending%') returns no rows and
+    code_prefix ('st_pending73'): there the natural lookup (LIKE 'pending%') returns no rows and
     only a broader one (LIKE '%pending%') shows the code. Returns {table: {code: name}}."""
     avoid = avoid or {}
     names = {}
