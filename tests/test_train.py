@@ -168,8 +168,9 @@ def learning_args(tmp_path):
     """small_args with a warm start long enough that some episodes are well formed: rewards vary
     within groups, so every GRPO step has a gradient and the weights move (with the 2-step warm
     start every reward is -1 and grad_norm 0, and a resume that lost the optimizer state or the
-    LR schedule would still give identical bytes)."""
-    return small_args(tmp_path) + ["--sft.steps=60", "--sft.lr=1e-2", "--sft.stop_at_train_ex=0",
+    LR schedule would still give identical bytes). 120 steps: at 60, on the tokenizer that also
+    learns the gold turns, every step-3 reward was -1."""
+    return small_args(tmp_path) + ["--sft.steps=120", "--sft.lr=1e-2", "--sft.stop_at_train_ex=0",
                                    "--sampling.max_new_tokens=48", "--grpo.group_size=4"]
 
 
