@@ -16,6 +16,8 @@ resumes on M and a node reads one copy, not one per rank.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import shutil
@@ -92,6 +94,8 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, tokenizer, cfg: C
         torch.save({"step": step, "optimizer": osd, "scheduler": scheduler.state_dict() if scheduler else None,
                     "rng": rngs, "extra": extra}, tmp / "trainer.pt")
         (tmp / "config.yaml").write_text(C.dump(cfg))
+        if tokenizer is not None:
+            (tmp / "vocab_digest").write_text(vocab_digest(tokenizer) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # atomic on one filesystem
         # ckpt_000000 (the policy at GRPO start, after any warm start) is always kept: it is
@@ -176,9 +180,24 @@ def load(path: str, model, optimizer, scheduler) -> dict:
     return {"step": meta["step"], **meta["extra"]}
 
 
-def check_resumable(ck: str, cfg: C.Config):
+def vocab_digest(tokenizer) -> str:
+    """A short hash of the tokenizer's vocabulary (token -> id): the ids a checkpoint's
+    embedding and LM head rows stand for."""
+    items = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def check_resumable(ck: str, cfg: C.Config, tokenizer=None):
     """Refuse to continue a checkpoint trained under another recipe (a silent mix of two runs),
-    unless --train.resume=force. Only C.RESUMABLE_KEYS (length, cadence, logging) may change."""
+    unless --train.resume=force. Only C.RESUMABLE_KEYS (length, cadence, logging) may change.
+    tokenizer: the run's; a checkpoint saved with another vocabulary is refused too (its weights
+    index other tokens: e.g. the tiny model at model.path was built again on a new corpus while
+    the out_dir kept the old run's checkpoints, under an unchanged config)."""
+    stamp = Path(ck) / "vocab_digest"
+    if tokenizer is not None and stamp.exists() and cfg.train.resume != "force":
+        if stamp.read_text().strip() != vocab_digest(tokenizer):
+            raise C.ConfigError(f"{ck} was trained with another tokenizer than {cfg.model.path}'s (another "
+                                "vocabulary): use another train.out_dir, or --train.resume=force to continue anyway")
     saved = C.from_dict(yaml.safe_load((Path(ck) / "config.yaml").read_text()))
     diff = C.changed_keys(saved, cfg)
     if diff and cfg.train.resume != "force":

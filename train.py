@@ -232,7 +232,7 @@ def main():
     eval_ex = load_split(cfg.data.eval_path, cfg.data.max_eval_examples, tok, cfg, log, "eval")
     ck = checkpoint.latest(cfg.train.out_dir) if cfg.train.resume != "false" else None
     if ck:
-        checkpoint.check_resumable(ck, cfg)
+        checkpoint.check_resumable(ck, cfg, tok)
     use_lora = cfg.model.lora_rank > 0
     if use_lora and not ck and cfg.sft.steps > 0:
         # the SFT warm start trains the full model, then LoRA adapts the warm weights: SkyRL's

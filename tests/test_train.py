@@ -197,6 +197,7 @@ def test_two_process_torchrun_run(tmp_path):
     assert [r["step"] for r in ex] == [0, 2]  # before GRPO (after the warm start) and after
     assert any("sft/loss" in r for r in m) and any("train/reward" in r for r in m)
     hf = tmp_path / "run" / "ckpt_000002" / "hf"
+    assert (hf.parent / "vocab_digest").read_text().strip()  # what a resume checks the tokenizer against
     from transformers import AutoModelForCausalLM
     ref = AutoModelForCausalLM.from_pretrained(str(hf))  # the checkpoint is a plain HF folder
     ours = Transformer.from_pretrained(str(hf))
@@ -229,6 +230,34 @@ def test_bf16_end_to_end_with_fp32_masters_resumes_on_two_ranks(tmp_path):
     p = run_train(args + ["--train.steps=4", "--optim.lr=0.5"], tmp_path / "run")
     out, _ = p.communicate(timeout=300)
     assert p.returncode != 0 and "optim.lr" in out and "--train.resume=force" in out, out[-3000:]
+
+
+def test_a_checkpoint_of_another_vocabulary_is_not_resumed(tmp_path, tiny_model):
+    """An out_dir keeps an old run's checkpoints while the tiny model at model.path is built again
+    on a new tokenizer corpus (tiny.CORPUS_VERSION) under an unchanged config: the config check
+    passes, so the vocabulary is checked on its own. Resuming would put the old weights' rows
+    under other tokens."""
+    import checkpoint
+    from transformers import AutoTokenizer
+    path, tok = tiny_model
+    other_dir = tmp_path / "other_tok"
+    tiny.build_tiny_tokenizer(other_dir, ["SELECT name FROM singer WHERE age > 30"] * 20, vocab_size=300)
+    other = AutoTokenizer.from_pretrained(str(other_dir))
+    assert checkpoint.vocab_digest(tok) == checkpoint.vocab_digest(AutoTokenizer.from_pretrained(path))
+    assert checkpoint.vocab_digest(other) != checkpoint.vocab_digest(tok)
+    cfg = C.load_config([f"--model.path={path}", f"--train.out_dir={tmp_path}"])
+    ck = tmp_path / "ckpt_000004"
+    ck.mkdir()
+    (ck / "config.yaml").write_text(C.dump(cfg))
+    (ck / "vocab_digest").write_text(checkpoint.vocab_digest(tok) + "\n")  # as checkpoint.save writes it
+    checkpoint.check_resumable(str(ck), cfg, tok)  # the same vocabulary: resumes
+    with pytest.raises(C.ConfigError, match="another tokenizer"):
+        checkpoint.check_resumable(str(ck), cfg, other)
+    cfg.train.resume = "force"
+    checkpoint.check_resumable(str(ck), cfg, other)  # forced: the user's call
+    cfg.train.resume = "true"
+    (ck / "vocab_digest").unlink()  # a checkpoint saved before the digest existed: not refused
+    checkpoint.check_resumable(str(ck), cfg, other)
 
 
 def test_kill_and_resume_is_exact(tmp_path):
