@@ -205,6 +205,12 @@ class SFTConfig:
     # always `steps`, which is otherwise the cap). A step count alone lands each seed elsewhere on
     # a steep climb (the toy's copy-from-the-observation skill appears within ~30 steps).
     stop_at_train_ex: float = 0.0
+    # ... and, when > 0, once the recovery rate at that check reaches it too (episodes whose first
+    # query came back empty or failed and still ended right, over those whose first query did; a
+    # check where no first query failed passes it). EX alone can be reached by copying from one
+    # lookup before the second look after an empty one is learned, and GRPO then has little
+    # recovery to build on. A condition on the EX stop: with stop_at_train_ex 0 nothing stops.
+    stop_at_train_recovery: float = 0.0
     stop_check_every: int = 10
 
 

@@ -92,6 +92,7 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evalua
     data = gold.build_dataset(train_ex, prompts, tok, cfg, db_paths)
     opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
     # the stop check's questions: 128 spread over the training set (it is ordered by database)
+    # (stop_at_train_ex 0 turns the stop off; stop_at_train_recovery only adds a condition to it)
     probe = train_ex[::max(1, len(train_ex) // 128)][:128] if s.stop_at_train_ex > 0 else []
     was_training = model.training
     model.train()  # dropout on for the loss (the evals inside run in eval mode: the engine sets it)
@@ -116,11 +117,14 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evalua
             evaluate(model, tok, eval_ex, cfg, rank, world, device, log, i + 1, prefix="sft/eval")
         if probe and (i + 1) % max(1, s.stop_check_every) == 0 and i + 1 < s.steps:
             # all-reduced: every rank sees the same EX and stops at the same step
-            ex = evaluate(model, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")["sft/train/ex"]
-            if ex >= s.stop_at_train_ex:
+            m = evaluate(model, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")
+            ex, recovery = m["sft/train/ex"], m.get("sft/train/recovery_rate", 1.0)  # absent: none failed
+            if ex >= s.stop_at_train_ex and recovery >= s.stop_at_train_recovery:
                 log.metrics(i + 1, {"sft/stopped_at": i + 1})
                 log.print(f"sft: stopped at step {i + 1} of {s.steps}: training EX {100 * ex:.1f}% >= "
-                          f"sft.stop_at_train_ex {100 * s.stop_at_train_ex:.0f}%")
+                          f"sft.stop_at_train_ex {100 * s.stop_at_train_ex:.0f}%" +
+                          (f", recovery {100 * recovery:.1f}% >= sft.stop_at_train_recovery "
+                           f"{100 * s.stop_at_train_recovery:.0f}%" if s.stop_at_train_recovery > 0 else ""))
                 break
     model.train(was_training)
     del opt, sch
