@@ -115,7 +115,7 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evalua
                       f"{time.time() - t0:.0f}s")
         if s.eval_every and (i + 1) % s.eval_every == 0 and i + 1 < s.steps:
             evaluate(model, tok, eval_ex, cfg, rank, world, device, log, i + 1, prefix="sft/eval")
-        if probe and (i + 1) % max(1, s.stop_check_every) == 0 and i + 1 < s.steps:
+        if probe and (i + 1) % max(1, s.stop_check_every) == 0 and s.stop_check_from <= i + 1 < s.steps:
             # all-reduced: every rank sees the same EX and stops at the same step
             m = evaluate(model, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")
             ex, recovery = m["sft/train/ex"], m.get("sft/train/recovery_rate", 1.0)  # absent: none failed

@@ -121,19 +121,21 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
         assert len(steps) == (stops_at or 40)
 
 
-@pytest.mark.parametrize("curve, stops_at", [
-    ({10: (0.1, 0.0), 20: (0.5, 0.1), 30: (0.6, 0.3)}, 30),  # EX first, the recovery a check later
-    ({10: (0.1, 0.0), 20: (0.5, None), 30: (0.6, 0.0)}, 20),  # no first query failed: nothing to recover
-    ({10: (0.5, 0.2), 20: (0.6, 0.2), 30: (0.7, 0.2)}, None)])  # never recovers enough: the cap
-def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, curve, stops_at):
+@pytest.mark.parametrize("curve, stops_at, check_from", [
+    ({10: (0.1, 0.0), 20: (0.5, 0.1), 30: (0.6, 0.3)}, 30, 0),  # EX first, the recovery a check later
+    ({10: (0.1, 0.0), 20: (0.5, None), 30: (0.6, 0.0)}, 20, 0),  # no first query failed: nothing to recover
+    ({10: (0.5, 0.2), 20: (0.6, 0.2), 30: (0.7, 0.2)}, None, 0),  # never recovers enough: the cap
+    ({10: (0.5, 0.5), 20: (0.5, 0.5), 30: (0.6, 0.3)}, 30, 25)])  # no check before stop_check_from
+def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, curve, stops_at, check_from):
     """sft.stop_at_train_recovery: the stop also needs the check's recovery rate (first query
-    empty or failed, episode still right) at or above it."""
+    empty or failed, episode still right) at or above it; sft.stop_check_from: the first check."""
     path, tok = tiny_model
     sys.path.insert(0, str(ROOT / "data"))
     from prepare_toy import prepare_toy
     prepare_toy(str(tmp_path), seed=0)
     import dataset
     cfg = C.load_config(["--sft.stop_at_train_ex=0.4", "--sft.stop_at_train_recovery=0.25", "--sft.steps=40",
+                         f"--sft.stop_check_from={check_from}",
                          "--sft.stop_check_every=10", "--sft.batch_size=4", "--data.prompt_template=compact",
                          f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1"])
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=300)
@@ -146,7 +148,7 @@ def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, curve, stops
     log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
     sft.run_sft(Transformer.from_pretrained(path), tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log,
                 fake_evaluate)
-    assert checks == list(range(10, (stops_at or 30) + 1, 10))
+    assert checks == [c for c in range(10, (stops_at or 30) + 1, 10) if c >= check_from]
     stops = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "sft/stopped_at" in line]
     assert [m["sft/stopped_at"] for m in stops] == ([stops_at] if stops_at else [])
 
