@@ -92,7 +92,6 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evalua
     data = gold.build_dataset(train_ex, prompts, tok, cfg, db_paths)
     opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
     # the stop check's questions: 128 spread over the training set (it is ordered by database)
-    # (stop_at_train_ex 0 turns the stop off; stop_at_train_recovery only adds a condition to it)
     probe = train_ex[::max(1, len(train_ex) // 128)][:128] if s.stop_at_train_ex > 0 else []
     was_training = model.training
     model.train()  # dropout on for the loss (the evals inside run in eval mode: the engine sets it)

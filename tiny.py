@@ -219,7 +219,8 @@ def tiny_stamp(toy_version: int) -> str:
 
 def prepare_assets(cfg):
     """Rank 0 of a run (cfg: config.Config): build the toy data and the tiny model if the config asks
-    (data.prepare_toy, model.build_tiny) and they are absent, or stamped with another toy version."""
+    (data.prepare_toy, model.build_tiny) and they are absent, or stamped with another toy version
+    (the model: or another tokenizer corpus, tiny_stamp)."""
     # A toy set from an older prepare_toy.py (its layout or codes changed since) is built again, and
     # so is a tiny model whose tokenizer was trained on it: the README's figures are for the current
     # set, and an old one silently gives others. Only what this code built is replaced: a toy folder
@@ -262,10 +263,9 @@ def _is_toy_set(train_path) -> bool:
 
 def tokenizer_corpus(cfg) -> list[str]:
     """Text the tiny tokenizer is trained on: rendered prompts, gold SQL, the protocol strings, and
-    the warm start's gold turns with their observations. Without the observations the tags
-    protocol's reminder ('<reminder>You have 2 turns left to complete the task.</reminder>') cost 30
-    tokens, and observations were half of an episode's non-prompt tokens; trained on them it is 14,
-    and the warm start's sequences are 15% shorter (toy set: 277k tokens, was 327k)."""
+    the warm start's gold turns with their observations. Without them the tags protocol's reminder
+    ('<reminder>You have 2 turns left to complete the task.</reminder>') cost 30 tokens and the
+    observations 107k of the toy warm start's 327k tokens; trained on them: 14, and 56k of 277k."""
     import dataset
     import prompts
     import gold
