@@ -36,6 +36,12 @@ class ModelConfig:
     # compute dtype; weights, gradients and AdamW states are always fp32 (FSDP2 mixed precision)
     dtype: str = choice("float32", "float32", "bfloat16")
     activation_checkpointing: bool = False
+    # FSDP2 units. block: each block its own unit, so only the running block's full weights are
+    # gathered (what a 7B needs on a GPU). model: one unit, gathered once per forward and
+    # reduce-scattered once per backward; for a model whose full weights fit every device many
+    # times over, it drops ~4 collectives and their hooks per micro-batch (the tiny model's SFT
+    # step on 2 CPU ranks: 0.255 -> 0.226 s). Same shards and checkpoints either way.
+    fsdp_unit: str = choice("block", "block", "model")
     fp32_lm_head: bool = False  # bf16 runs: LM head matmul + log-softmax of the loss in fp32
     # LoRA (lora.py): 0 = full fine-tune; > 0 freezes the base and trains rank-r adapters
     lora_rank: int = 0

@@ -7,12 +7,13 @@ reduce). CPU uses gloo, CUDA nccl (FSDP2 works on CPU; FSDP1 does not).
 
     from distributed import setup_dist, shard, compute_dtype
     rank, world, device = setup_dist(cfg.train.dist_timeout_s)   # torchrun or plain python
-    model = shard(fp32_model, compute_dtype(cfg))                # each block, then the root
+    model = shard(fp32_model, compute_dtype(cfg), cfg.model.fsdp_unit)  # FSDP2 units: model.fsdp_unit
 
-Costs under FSDP2 (measured by reading torch 2.13's fully_shard): a training micro-batch
-all-gathers the root (embeddings, norm, lm_head) once (the root is not resharded between forward
-and backward) and each block twice (forward, then again in backward). unsharded() gathers every
-unit once for a whole rollout and frees all of them on exit.
+Costs under FSDP2 (measured by reading torch 2.13's fully_shard): with model.fsdp_unit=block a
+training micro-batch all-gathers the root (embeddings, norm, lm_head) once (the root is not
+resharded between forward and backward) and each block twice (forward, then again in backward);
+with fsdp_unit=model the whole model once. unsharded() gathers every unit once for a whole
+rollout and frees all of them on exit.
 
 Tests: pytest tests/test_precision.py tests/test_grpo_dist.py tests/test_train.py
 """
@@ -104,17 +105,22 @@ def all_gather_list(xs: list) -> list:
 # FSDP2
 
 
-def shard(model: Transformer, dtype: torch.dtype):
-    """fully_shard each block, then the root, on every world size (1 rank included).
+def shard(model: Transformer, dtype: torch.dtype, unit: str = "block"):
+    """fully_shard the model on every world size (1 rank included): unit "block" makes each block
+    its own FSDP2 unit, then the root (embeddings, final norm, lm_head); "model" makes the whole
+    model one unit (config model.fsdp_unit says when each pays).
 
     The model must be loaded in fp32: those are the master weights (sharded, what AdamW updates).
     MixedPrecisionPolicy all-gathers them cast to `dtype` for forward/backward and reduce-scatters
     gradients in fp32, so bf16 compute never rounds an update of lr·step ≪ bf16's 2^-8 away.
+    Either unit shards every parameter on dim 0 over the ranks: same shards, same checkpoints.
 
     Frozen parameters (a LoRA base, requires_grad False) are cast to `dtype` here: they are never
     updated, so they need no fp32 master (half the memory in bf16). FSDP2 shards them in the same
     groups as the fp32 adapters: it needs one dtype only among a group's trainable parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if unit not in ("block", "model"):
+        raise ValueError(f"model.fsdp_unit={unit!r}: expected block or model")
     assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad), \
         "load the model in fp32 (masters)"
     with torch.no_grad():
@@ -122,11 +128,12 @@ def shard(model: Transformer, dtype: torch.dtype):
             if not p.requires_grad:
                 p.data = p.data.to(dtype)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, mp_policy=mp)
-    # the root (embeddings, final norm, lm_head) is never resharded after forward: FSDP2 keeps a
-    # root's parameters gathered from forward to backward (it would re-gather them at once), so a
-    # micro-batch costs one root all-gather + one per block in forward, one per block in backward.
+    if unit == "block":
+        for block in model.layers:
+            fully_shard(block, mp_policy=mp)
+    # the root is never resharded after forward: FSDP2 keeps a root's parameters gathered from
+    # forward to backward (it would re-gather them at once), so a micro-batch costs one root
+    # all-gather + one per block in forward, one per block in backward ("model": one all-gather).
     fully_shard(model, mp_policy=mp)
     return model
 

@@ -66,7 +66,7 @@ def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, evalu
     full = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32, device=device)
     full.set_activation_checkpointing(cfg.model.activation_checkpointing)
     full.fp32_lm_head = cfg.model.fp32_lm_head
-    full = shard(full, compute_dtype(cfg))
+    full = shard(full, compute_dtype(cfg), cfg.model.fsdp_unit)
     run_sft(full, tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate)
     msd = checkpoint.full_model_state(full)
     if rank == 0:

@@ -255,7 +255,7 @@ def main():
         cap = torch.cuda.get_device_properties(device).total_memory / 1024 ** 3
         if est["total"] > cap:
             log.print(f"WARNING: estimated {est['total']:.1f} GB > device memory {cap:.1f} GB")
-    model = shard(model, compute_dtype(cfg))
+    model = shard(model, compute_dtype(cfg), cfg.model.fsdp_unit)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor: global count
     log.print(f"model: {param_count(model) / 1e6:.2f}M params, {trainable / 1e6:.3f}M trainable, world {world}, "
               f"device {device.type}, fp32 masters, {cfg.model.dtype} compute")
@@ -287,7 +287,7 @@ def main():
         # kept in the compute dtype, the same values FSDP2 would have cast fp32 masters to
         ref_path = base_path if use_lora else str(Path(cfg.train.out_dir) / "ckpt_000000" / "hf")
         ref_model = Transformer.from_pretrained(ref_path, dtype=torch.float32, device=device)
-        ref_model = shard(ref_model.requires_grad_(False), compute_dtype(cfg))
+        ref_model = shard(ref_model.requires_grad_(False), compute_dtype(cfg), cfg.model.fsdp_unit)
 
     stream = PromptStream(len(train_ex), cfg.train.seed, cursor)
     G, P = cfg.grpo.group_size, cfg.grpo.prompts_per_step

@@ -70,10 +70,11 @@ def test_bf16_compute_updates_fp32_masters_by_the_adamw_step(one_rank):
     assert (w.bfloat16().float() == (w - 1e-6).bfloat16().float()).float().mean() > 0.9
 
 
-def test_unsharded_gathers_every_block_then_frees_them(one_rank):
-    model = distributed.shard(tiny_transformer().to(one_rank), torch.bfloat16)
+@pytest.mark.parametrize("unit", ["block", "model"])
+def test_unsharded_gathers_every_block_then_frees_them(one_rank, unit):
+    model = distributed.shard(tiny_transformer().to(one_rank), torch.bfloat16, unit)
     units = distributed.fsdp_modules(model)
-    assert len(units) == 1 + len(model.layers)
+    assert len(units) == (1 + len(model.layers) if unit == "block" else 1)
     with distributed.unsharded(model):
         for n, p in model.named_parameters():  # every parameter gathered, in the compute dtype
             assert not isinstance(p, DTensor) and p.dtype == torch.bfloat16, n
@@ -87,6 +88,11 @@ def test_unsharded_gathers_every_block_then_frees_them(one_rank):
     groups = [u._get_fsdp_state()._fsdp_param_group for u in units]
     assert groups[0].post_forward_mesh_info is None
     assert all(g.post_forward_mesh_info is not None for g in groups[1:])
+
+
+def test_unknown_fsdp_unit_is_refused(one_rank):
+    with pytest.raises(ValueError, match="fsdp_unit"):
+        distributed.shard(tiny_transformer().to(one_rank), torch.float32, "layer")
 
 
 def test_param_count_is_global_under_fsdp2(one_rank):

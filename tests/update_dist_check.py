@@ -9,7 +9,8 @@ reference is train.update on a plain model over the whole batch in one process. 
 a batch), the two shares having different groups, token counts and micro-batch counts (the rank
 with fewer runs dummy passes). The optimizer records the gathered gradients instead of stepping:
 they must equal the 1-process ones for every case (loss aggregation, ppo_epochs × mini_batches,
-kl_beta, loss variant). Prints `RESULT case=... max_grad_diff=... ok|MISMATCH` on rank 0.
+kl_beta, loss variant), with either FSDP2 unit (model.fsdp_unit). Prints
+`RESULT case=... unit=... max_grad_diff=... ok|MISMATCH` on rank 0.
 """
 import os
 import sys
@@ -82,6 +83,9 @@ def reference(case):
     return run(base, ref, [trajs[i] for i in order], adv[order], cfg, 1)
 
 
+# model.fsdp_unit: per block (what a 7B needs) or the whole model as one unit (the tiny model)
+UNITS = ("block", "model")
+
 # rank 0's share: the first 9 trajectories, rank 1's the other 7 (uneven; groups cut across ranks)
 SHARES = [list(range(0, 9)), list(range(9, 16))]
 
@@ -92,17 +96,18 @@ def main(reference_file):
     wants = torch.load(reference_file)
     failed = False
     for case, want in zip(CASES, wants):
-        cfg, base, ref, trajs, adv = setup(case)
-        idx = SHARES[rank]
-        sharded = distributed.shard(base, torch.float32)
-        ref_sharded = distributed.shard(ref, torch.float32) if ref is not None else None
-        got = run(sharded, ref_sharded, [trajs[i] for i in idx], adv[idx], cfg, world)
-        if rank == 0:
-            diff = max((a - b).abs().max().item() for gs, ws in zip(got, want) for a, b in zip(gs, ws))
-            ok = len(got) == len(want) and diff <= 1e-5
-            failed |= not ok
-            print(f"RESULT case={'/'.join(map(str, case))} max_grad_diff={diff:.2e} {'ok' if ok else 'MISMATCH'}",
-                  flush=True)
+        for unit in UNITS:
+            cfg, base, ref, trajs, adv = setup(case)
+            idx = SHARES[rank]
+            sharded = distributed.shard(base, torch.float32, unit)
+            ref_sharded = distributed.shard(ref, torch.float32, unit) if ref is not None else None
+            got = run(sharded, ref_sharded, [trajs[i] for i in idx], adv[idx], cfg, world)
+            if rank == 0:
+                diff = max((a - b).abs().max().item() for gs, ws in zip(got, want) for a, b in zip(gs, ws))
+                ok = len(got) == len(want) and diff <= 1e-5
+                failed |= not ok
+                print(f"RESULT case={'/'.join(map(str, case))} unit={unit} max_grad_diff={diff:.2e} "
+                      f"{'ok' if ok else 'MISMATCH'}", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 
