@@ -243,6 +243,7 @@ def cmd_generate(args) -> None:
     import config as C
     import dataset
     import distributed
+    import malloc_tuning
     from model import Transformer
 
     t0 = time.time()
@@ -261,6 +262,8 @@ def cmd_generate(args) -> None:
         cfg.sampling.temperature = T
     label = decoding_label(T, cfg.sampling.top_p, args.n)
     rank, world, device = distributed.setup_dist(cfg.train.dist_timeout_s)
+    if device.type == "cpu":  # large CPU tensors reuse freed heap memory, no fresh pages per step
+        malloc_tuning.keep_freed_memory()
     if args.threads:
         torch.set_num_threads(args.threads)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)

@@ -25,6 +25,7 @@ import config as C
 import dataset
 import grpo
 import lora
+import malloc_tuning
 import optim
 import packing
 import plot
@@ -216,6 +217,8 @@ def main():
     t_launch = time.time()
     cfg = C.load_config()
     rank, world, device = setup_dist(cfg.train.dist_timeout_s)
+    if device.type == "cpu":  # large CPU tensors reuse freed heap memory, no fresh pages per step
+        malloc_tuning.keep_freed_memory()
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     log = Log(cfg, rank)
