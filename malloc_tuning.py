@@ -5,12 +5,14 @@ are freed, at most 32 MB) with a fresh mmap, unmapped again on free, and hands t
 top back to the OS past its trim threshold. A CPU forward allocates and frees tensors of 1-50 MB
 in every layer (a decode step's gathered K/V at 512 rows: 10 MB per layer and K or V), so each
 of them arrives as fresh pages that the kernel zero-fills on first touch, often costing more
-than the kernel that fills them. Fixed thresholds (mmap at its 32 MB maximum, a 1 GB trim
-threshold, a 256 MB top pad) keep such blocks in the heap for the next step. Measured on the tiny
-config (one 2-core VM, 1 thread, interleaved): a decode layer's gather + attention at 512 rows
-14.7 -> 6.9 ms, a 512-episode rollout 3.0 -> 2.8 s, an SFT step 0.181 -> 0.173 s. train.py and
-eval.py call it on CPU runs only (device memory has its own allocator); the freed memory a
-process keeps for reuse is at most the trim threshold.
+than the kernel that fills them. Fixed thresholds (mmap at 32 MB, glibc's documented maximum on
+64-bit, a 1 GB trim threshold, a 256 MB top pad) keep such blocks in the heap for the next step.
+Measured on the tiny config (a 2-core VM, 1 thread): a decode layer's gather + attention at 512
+rows 14.7 -> 6.9 ms at worst (glibc's own threshold sometimes gets there: 8.4 ms); a rollout of
+32 prompts x 8 from the warm start 1.11x faster (bench/malloc_tuning.py, fresh processes in
+turn); an SFT step no faster (0.98x). train.py and eval.py call it on CPU runs only (device
+memory has its own allocator); the freed memory a process keeps for reuse is at most the trim
+threshold.
 
     import malloc_tuning; malloc_tuning.keep_freed_memory()   # once, at the start of a process
 

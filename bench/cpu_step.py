@@ -5,8 +5,12 @@ reference they replaced, interleaved in ONE process (old, new, old, new, ...), m
        512 and micro_batch_tokens 16384, AdamW's per-parameter loop (foreach=False), the LM head
        checkpointed even as a single chunk (`checkpointed_logprobs`, the code it replaced), SFT
        without shared prefixes: the code and settings before this benchmark was written
+       and per-block FSDP2 units
   new  configs/tiny.yaml and the code as they are (segment_attention.py: one causal attention
-       row per sequence; shared prompt prefixes in SFT; foreach AdamW; no single-chunk recompute)
+       row per sequence; shared prompt prefixes in SFT; foreach AdamW; no single-chunk recompute;
+       model.fsdp_unit model)
+  --against block: old is today's settings with per-block FSDP2 units (model.fsdp_unit block), so
+       the ratios are those of the one-unit layout alone
 
 Each arm has its own FSDP2-sharded copy of the same tiny model and its own AdamW, so both start
 from the same weights; the first pair's update and SFT losses / grad norms are printed side by
@@ -22,6 +26,7 @@ body of sft.run_sft (plan, sft_loss_sum, backward, clip + AdamW).
     .venv/bin/python bench/cpu_step.py [--pairs 3] [--prompts 80] [--sft-steps 10]
     torchrun --standalone --nproc_per_node=2 bench/cpu_step.py     # as train.py runs: FSDP2 on gloo
     .venv/bin/python bench/cpu_step.py --profile new               # torch.profiler table of one arm
+    torchrun --standalone --nproc_per_node=2 bench/cpu_step.py --against block
 
 Prints `update_speedup: X` and `sft_speedup: X` last (old time / new time, median of the pairs).
 """
@@ -53,7 +58,8 @@ from model import Transformer  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 
 SHARED_PREFIX_LENS = packing.shared_prefix_lens
-OLD = {"pack_row_tokens": 512, "micro_batch_tokens": 16384, "dense": True}
+OLD = {"pack_row_tokens": 512, "micro_batch_tokens": 16384, "dense": True, "fsdp_unit": "block"}
+BLOCK = {"fsdp_unit": "block"}  # --against block: only the FSDP2 units differ
 
 
 def checkpointed_logprobs(self, h, targets, temperature):
@@ -148,6 +154,8 @@ def main():
     ap.add_argument("--sft-steps", type=int, default=10, help="SFT steps per measurement")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--profile", choices=["old", "new"], default="", help="print one arm's torch.profiler table")
+    ap.add_argument("--against", choices=["old", "block"], default="old",
+                    help="the old arm: the settings before this benchmark, or today's with per-block FSDP2 units")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     rank, world, device = setup_dist()
@@ -172,13 +180,15 @@ def main():
     n_shared = all_sum([sum(len(t.ids) - len(t.prompt_ids) for t in trajs) + len(trajs) // G
                         * round(statistics.mean(len(t.prompt_ids) for t in trajs))], device)[0]
     base = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32)
-    arms = {name: Arm(name, copy.deepcopy(cfg), shard(copy.deepcopy(base), torch.float32), s)
-            for name, s in (("old", OLD), ("new", {}))}
+    baseline = OLD if a.against == "old" else BLOCK
+    arms = {name: Arm(name, copy.deepcopy(cfg), shard(copy.deepcopy(base), torch.float32,
+                                                      s.get("fsdp_unit", cfg.model.fsdp_unit)), s)
+            for name, s in (("old", baseline), ("new", {}))}
     say = print if rank == 0 else (lambda *x, **k: None)
     say(f"update: {a.prompts} groups x {G} = {a.prompts * G} trajectories, {n_tok:.0f} tokens "
         f"(~{n_shared:.0f} with each prompt once); SFT: {a.sft_steps} steps x {bs} sequences; "
         f"world {world}, {a.threads} thread(s) per process")
-    say(f"old: {OLD}; new: pack_row_tokens {arms['new'].cfg.optim.pack_row_tokens}, micro_batch_tokens "
+    say(f"old: {baseline}; new: fsdp_unit {cfg.model.fsdp_unit}, pack_row_tokens {arms['new'].cfg.optim.pack_row_tokens}, micro_batch_tokens "
         f"{arms['new'].cfg.optim.micro_batch_tokens}, segment attention")
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
