@@ -409,12 +409,14 @@ def from_dict(d: dict) -> Config:
     return apply(Config(), flat)
 
 
-# keys a resumed run may change: length, cadence, output and logging, never the recipe
+# keys a resumed run may change: length, cadence, output, logging and the FSDP2 unit layout (the same
+# shards either way), never the recipe
 RESUMABLE_KEYS = {"train.steps", "train.log_every", "train.sample_every", "train.sample_rows", "train.eval_every",
                   "train.save_every",
                   "train.keep_checkpoints", "train.resume", "train.out_dir", "train.threads",
                   "train.dist_timeout_s", "train.max_bad_steps", "wandb.mode", "wandb.project", "wandb.name",
-                  "model.build_tiny", "data.prepare_toy", "env.workers", "model.lora_save_merged"}
+                  "model.build_tiny", "data.prepare_toy", "env.workers", "model.lora_save_merged",
+                  "model.fsdp_unit"}
 
 
 def changed_keys(saved: Config, current: Config) -> list[str]:
