@@ -11,6 +11,8 @@ reference they replaced, interleaved in ONE process (old, new, old, new, ...), m
        model.fsdp_unit model)
   --against block: old is today's settings with per-block FSDP2 units (model.fsdp_unit block), so
        the ratios are those of the one-unit layout alone
+  --against micro16k: old is today's settings with optim.micro_batch_tokens 16384 (tiny.yaml's
+       before it became 4096)
 
 Each arm has its own FSDP2-sharded copy of the same tiny model and its own AdamW, so both start
 from the same weights; the first pair's update and SFT losses / grad norms are printed side by
@@ -27,6 +29,7 @@ body of sft.run_sft (plan, sft_loss_sum, backward, clip + AdamW).
     torchrun --standalone --nproc_per_node=2 bench/cpu_step.py     # as train.py runs: FSDP2 on gloo
     .venv/bin/python bench/cpu_step.py --profile new               # torch.profiler table of one arm
     torchrun --standalone --nproc_per_node=2 bench/cpu_step.py --against block
+    torchrun --standalone --nproc_per_node=2 bench/cpu_step.py --against micro16k
 
 Prints `update_speedup: X` and `sft_speedup: X` last (old time / new time, median of the pairs).
 """
@@ -60,6 +63,7 @@ from rollout import Trajectory  # noqa: E402
 SHARED_PREFIX_LENS = packing.shared_prefix_lens
 OLD = {"pack_row_tokens": 512, "micro_batch_tokens": 16384, "dense": True, "fsdp_unit": "block"}
 BLOCK = {"fsdp_unit": "block"}  # --against block: only the FSDP2 units differ
+MICRO16K = {"micro_batch_tokens": 16384}  # --against micro16k: only the micro-batch size differs
 
 
 def checkpointed_logprobs(self, h, targets, temperature):
@@ -154,8 +158,9 @@ def main():
     ap.add_argument("--sft-steps", type=int, default=10, help="SFT steps per measurement")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--profile", choices=["old", "new"], default="", help="print one arm's torch.profiler table")
-    ap.add_argument("--against", choices=["old", "block"], default="old",
-                    help="the old arm: the settings before this benchmark, or today's with per-block FSDP2 units")
+    ap.add_argument("--against", choices=["old", "block", "micro16k"], default="old",
+                    help="the old arm: the settings before this benchmark, or today's with per-block FSDP2 "
+                         "units, or with micro-batches of 16384 tokens")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     rank, world, device = setup_dist()
@@ -180,7 +185,7 @@ def main():
     n_shared = all_sum([sum(len(t.ids) - len(t.prompt_ids) for t in trajs) + len(trajs) // G
                         * round(statistics.mean(len(t.prompt_ids) for t in trajs))], device)[0]
     base = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32)
-    baseline = OLD if a.against == "old" else BLOCK
+    baseline = {"old": OLD, "block": BLOCK, "micro16k": MICRO16K}[a.against]
     arms = {name: Arm(name, copy.deepcopy(cfg), shard(copy.deepcopy(base), torch.float32,
                                                       s.get("fsdp_unit", cfg.model.fsdp_unit)), s)
             for name, s in (("old", baseline), ("new", {}))}
