@@ -38,9 +38,10 @@ class ModelConfig:
     activation_checkpointing: bool = False
     # FSDP2 units. block: each block its own unit, so only the running block's full weights are
     # gathered (what a 7B needs on a GPU). model: one unit, gathered once per forward and
-    # reduce-scattered once per backward; for a model whose full weights fit every device many
-    # times over, it drops ~4 collectives and their hooks per micro-batch (the tiny model's SFT
-    # step on 2 CPU ranks: 0.255 -> 0.226 s). Same shards and checkpoints either way.
+    # reduce-scattered once per backward, instead of two all-gathers per block, one for the root
+    # and a reduce-scatter per unit, each with its hooks: for a model whose full weights fit every
+    # device many times over (the tiny model's SFT steps on 2 CPU ranks: 1.14x, bench/cpu_step.py
+    # --against block). Same shards and checkpoints either way.
     fsdp_unit: str = choice("block", "block", "model")
     fp32_lm_head: bool = False  # bf16 runs: LM head matmul + log-softmax of the loss in fp32
     # LoRA (lora.py): 0 = full fine-tune; > 0 freezes the base and trains rank-r adapters

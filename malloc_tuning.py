@@ -2,10 +2,10 @@
 
 glibc serves every allocation above its mmap threshold (128 KB at start, raised as large blocks
 are freed, at most 32 MB) with a fresh mmap, unmapped again on free, and hands the heap's free
-top back to the OS past its trim threshold. A CPU forward allocates and frees tensors of 1-50 MB
-in every layer (a decode step's gathered K/V at 512 rows: 10 MB per layer and K or V), so each
-of them arrives as fresh pages that the kernel zero-fills on first touch, often costing more
-than the kernel that fills them. Fixed thresholds (mmap at 32 MB, glibc's documented maximum on
+top back to the OS past its trim threshold. A CPU forward allocates and frees tensors of 1-30 MB
+in every layer (a decode step's gathered K/V at 512 rows: 10 MB per layer and K or V), and many
+of them arrive as fresh pages, which the kernel zero-fills on first touch: often a cost above
+that of the kernel that fills the tensor. Fixed thresholds (mmap at 32 MB, glibc's documented maximum on
 64-bit, a 1 GB trim threshold, a 256 MB top pad) keep such blocks in the heap for the next step.
 Measured on the tiny config (a 2-core VM, 1 thread): a decode layer's gather + attention at 512
 rows 14.7 -> 6.9 ms at worst (glibc's own threshold sometimes gets there: 8.4 ms); a rollout of

@@ -4,8 +4,8 @@ reference they replaced, interleaved in ONE process (old, new, old, new, ...), m
   old  packing.CPU_DENSE_MASK (SDPA over a dense (B, 1, T, T) mask) with optim.pack_row_tokens
        512 and micro_batch_tokens 16384, AdamW's per-parameter loop (foreach=False), the LM head
        checkpointed even as a single chunk (`checkpointed_logprobs`, the code it replaced), SFT
-       without shared prefixes: the code and settings before this benchmark was written
-       and per-block FSDP2 units
+       without shared prefixes, per-block FSDP2 units: the code and settings before this
+       benchmark was written
   new  configs/tiny.yaml and the code as they are (segment_attention.py: one causal attention
        row per sequence; shared prompt prefixes in SFT; foreach AdamW; no single-chunk recompute;
        model.fsdp_unit model)
