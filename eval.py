@@ -237,7 +237,6 @@ def spider_db_root(exs: list[dict]) -> str | None:
 
 def cmd_generate(args) -> None:
     import torch
-    import torch.distributed as dist
     from transformers import AutoTokenizer
 
     import config as C
@@ -322,9 +321,7 @@ def cmd_generate(args) -> None:
         say(f"wrote {args.out}/predictions.sql, gold.sql, traces.jsonl, summary.json"
             + (f"; rescore: python eval.py score --pred {args.out}/predictions.sql --gold {args.out}/gold.sql "
                f"--db-root {root} --mode {cfg.reward.mode}" if root else ""))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    distributed.close()
 
 
 def add_generate_parser(sub) -> None:

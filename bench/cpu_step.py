@@ -56,7 +56,7 @@ import gold  # noqa: E402
 import sft  # noqa: E402
 import tiny  # noqa: E402
 import train  # noqa: E402
-from distributed import all_sum, setup_dist, shard  # noqa: E402
+from distributed import all_sum, close, setup_dist, shard  # noqa: E402
 from model import Transformer  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 
@@ -227,7 +227,7 @@ def main():
     say(f"update_speedup: {statistics.median(upd):.2f}")
     say(f"sft_speedup: {statistics.median(sft_r):.2f}")
     if world > 1:
-        torch.distributed.destroy_process_group()
+        close()
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def measure(model_dir: str, seqs: int, steps: int) -> dict:
     res = {"world": world, "threads": torch.get_num_threads(), "tokens": tokens,
            "loss_tokens": sum(sum(t.loss_mask) for t in batch), "times": times[1:], "grad_norm": gn}
     if world > 1:  # rank 0's time is the step's: the ranks meet at every collective and start together
-        torch.distributed.destroy_process_group()
+        distributed.close()
     return res
 
 

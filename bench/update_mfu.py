@@ -407,7 +407,7 @@ def main():
     print(f"update_tflops: {step_flops / 1e12:.4g}")
     print(f"update_hw_mfu: {step_hw:.4g}")
     print(f"update_mfu: {step_mfu:.4g}")
-    torch.distributed.destroy_process_group()
+    distributed.close()
 
 
 if __name__ == "__main__":

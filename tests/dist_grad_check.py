@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import distributed  # noqa: E402
 from grpo import AGGS, global_norm, policy_loss  # noqa: E402
 from rollout_correction import RolloutIS  # noqa: E402
 
@@ -144,8 +145,7 @@ def main():
                 print(f"RESULT model={name} case={'/'.join(case)} norm={norm:g} loss={total.item():.7f} "
                       f"ref_loss={ref_loss.item():.7f} max_grad={scale:.3g} max_grad_diff={max_diff:.2e} "
                       f"{'ok' if good else 'MISMATCH'}", flush=True)
-    dist.barrier()  # both ranks done before teardown (gloo can abort if a peer hangs up early)
-    dist.destroy_process_group()
+    distributed.close()
     sys.exit(0 if ok else 1)
 
 

@@ -181,8 +181,7 @@ def main():
         ok &= good
         if rank == 0:
             print(f"RESULT {case} {info} {'ok' if good else 'MISMATCH'}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    distributed.close()
     sys.exit(0 if ok else 1)
 
 

@@ -63,7 +63,7 @@ def main():
         bad |= bool(flag.item())
         if dist.get_rank() == 0:
             print(f"RESULT {case} {'ok' if flag.item() == 0 else 'MISMATCH'}", flush=True)
-    dist.destroy_process_group()
+    distributed.close()
     sys.exit(1 if bad else 0)
 
 
