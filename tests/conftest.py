@@ -13,6 +13,15 @@ SPIDER_MISSING = f"real Spider data not found at {SPIDER} (set SPIDER_DIR to use
 HAVE_SPIDER = (SPIDER / "dev.json").exists() and (SPIDER / "database").is_dir()
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """test_precision and test_lora_train build the in-process one-rank gloo group and leave it up
+    for the session. Close it before pytest exits: a gloo worker thread still letting go of a
+    collective's tensors while the interpreter shuts down aborts the process, and pytest's exit
+    status with it (distributed.close waits for it)."""
+    if "distributed" in sys.modules:
+        sys.modules["distributed"].close()
+
+
 def torchrun_env(**extra: str) -> dict:
     """The environment for tests that start ranks under torchrun. They check CPU (gloo) equalities,
     so GPUs are hidden: on a CUDA machine each rank would otherwise take GPU LOCAL_RANK (NCCL) and
