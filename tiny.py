@@ -230,9 +230,14 @@ def prepare_assets(cfg):
     from prepare_toy import TOY_VERSION  # data/ is on sys.path once prepare_toy_set ran
     model_stamp = Path(cfg.model.path) / "toy_version"
     if cfg.data.prepare_toy and cfg.model.build_tiny and (Path(cfg.model.path) / "config.json").exists():
+        other_shape = shape_differences(cfg.model)
         if model_stamp.exists() and (rebuilt or model_stamp.read_text().strip() != tiny_stamp(TOY_VERSION)):
             print(f"the tiny model in {cfg.model.path} was built on another toy set or tokenizer corpus: "
                   f"building it again", flush=True)
+            (Path(cfg.model.path) / "config.json").unlink()
+        elif model_stamp.exists() and other_shape:
+            print(f"the tiny model in {cfg.model.path} has another shape than model.tiny_* ask "
+                  f"({', '.join(other_shape)}): building it again", flush=True)
             (Path(cfg.model.path) / "config.json").unlink()
         elif not model_stamp.exists() and rebuilt:
             print(f"note: {cfg.model.path} has no toy_version stamp (a checkpoint, or a tiny model built before "
@@ -248,6 +253,18 @@ def prepare_assets(cfg):
                         kv_heads=m.tiny_kv_heads, intermediate_size=m.tiny_intermediate_size, seed=cfg.train.seed)
         if cfg.data.prepare_toy:  # its tokenizer was trained on this toy set
             model_stamp.write_text(f"{tiny_stamp(TOY_VERSION)}\n")
+
+
+def shape_differences(m) -> list[str]:
+    """How the model folder at m.path differs from the shape model.tiny_* ask (m: config.ModelConfig),
+    as 'field folder -> config' strings; [] when it matches. A folder built by an older tiny.yaml
+    (4 layers, say) would otherwise be reused, and give other figures than the config's."""
+    with open(Path(m.path) / "config.json") as fh:
+        have = json.load(fh)
+    want = {"model_type": m.tiny_family, "hidden_size": m.tiny_hidden_size, "num_hidden_layers": m.tiny_layers,
+            "num_attention_heads": m.tiny_heads, "num_key_value_heads": m.tiny_kv_heads,
+            "intermediate_size": m.tiny_intermediate_size or 3 * m.tiny_hidden_size}
+    return [f"{k} {have.get(k)} -> {v}" for k, v in want.items() if have.get(k) != v]
 
 
 def _is_toy_set(train_path) -> bool:

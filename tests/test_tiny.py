@@ -129,6 +129,25 @@ def test_an_older_toy_set_and_its_tiny_model_are_built_again(tmp_path):
     assert (tmp_path / "toy" / "toy_version").read_text().strip() == str(TOY_VERSION)
 
 
+def test_a_tiny_model_of_another_shape_is_built_again(tmp_path, capsys):
+    """A clone keeps runs/tiny/model from an older tiny.yaml (another layer count, say): the next
+    run builds the shape its config asks for instead of training the old one silently. A folder
+    without the build stamp (a checkpoint's hf/) is used as it is, whatever its shape."""
+    import config as C
+    from conftest import build_tiny_assets
+    settings = build_tiny_assets(tmp_path)  # 1 layer
+    ckpt = tmp_path / "ckpt" / "hf"
+    shutil.copytree(tmp_path / "model", ckpt)
+    (ckpt / "toy_version").unlink()
+    capsys.readouterr()
+    for path in (tmp_path / "model", ckpt):
+        tiny.prepare_assets(C.load_config(["--" + a for a in settings] + ["--model.tiny_layers=2",
+                                                                          f"--model.path={path}"]))
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["num_hidden_layers"] == 2
+    assert "num_hidden_layers 1 -> 2" in capsys.readouterr().out
+    assert json.loads((ckpt / "config.json").read_text())["num_hidden_layers"] == 1
+
+
 def test_a_checkpoint_or_foreign_data_is_never_overwritten(tmp_path, capsys):
     """model.path may be a trained checkpoint's hf/ folder (no toy_version stamp): rebuilding the
     toy set must not replace its weights with a random tiny model. And data.prepare_toy over a
