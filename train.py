@@ -34,8 +34,7 @@ import episodes
 import samples
 import sft
 import tiny
-import distributed
-from distributed import (PeakMemory, all_gather_list, all_sum, compute_dtype, memory_estimate,
+from distributed import (PeakMemory, all_gather_list, all_sum, close, compute_dtype, memory_estimate,
                          param_count, setup_dist, shard)
 from model import Transformer
 
@@ -379,7 +378,7 @@ def main():
     log.print(f"done: {cfg.train.steps} steps in {(time.time() - t_start) / 60:.1f} min (whole command "
               f"{(time.time() - t_launch) / 60:.1f} min); rollout {speed['sampled'] / max(speed['rollout_s'], 1e-9):.0f} "
               f"tok/s, update {speed['trained'] / max(speed['update_s'], 1e-9):.0f} tok/s; run in {cfg.train.out_dir}")
-    distributed.close()
+    close()  # every rank: lets gloo's workers finish before the interpreter exits
 
 
 
