@@ -230,12 +230,11 @@ def prepare_assets(cfg):
     from prepare_toy import TOY_VERSION  # data/ is on sys.path once prepare_toy_set ran
     model_stamp = Path(cfg.model.path) / "toy_version"
     if cfg.data.prepare_toy and cfg.model.build_tiny and (Path(cfg.model.path) / "config.json").exists():
-        other_shape = shape_differences(cfg.model)
         if model_stamp.exists() and (rebuilt or model_stamp.read_text().strip() != tiny_stamp(TOY_VERSION)):
             print(f"the tiny model in {cfg.model.path} was built on another toy set or tokenizer corpus: "
                   f"building it again", flush=True)
             (Path(cfg.model.path) / "config.json").unlink()
-        elif model_stamp.exists() and other_shape:
+        elif model_stamp.exists() and (other_shape := shape_differences(cfg.model)):
             print(f"the tiny model in {cfg.model.path} has another shape than model.tiny_* ask "
                   f"({', '.join(other_shape)}): building it again", flush=True)
             (Path(cfg.model.path) / "config.json").unlink()
