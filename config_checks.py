@@ -4,7 +4,8 @@ config.py types each key; this file says which values of a typed key make a run 
 or works silently wrong (grpo.group_size 1: every group has advantage 0 and nothing is learned;
 sampling.temperature -1: the sampler goes greedy while the trainer scores logits / -1; env.max_turns
 0: one turn runs anyway). train.py calls validate before the process group exists, eval.py before
-it loads a model; the error names every bad key at once, one line each.
+it loads a model; the error names every bad key at once, one line each. check_model_folder checks
+model.path (or eval.py's --model): config.json, a tokenizer, a chat template.
 
     import config_checks
     config_checks.validate(cfg, world=2)       # raises config.ConfigError listing every problem

@@ -359,3 +359,49 @@ def test_memory_estimate_counts_the_one_rank_fsdp2_layout():
         est = distributed.memory_estimate(m, C.load_config([f"--model.dtype={dtype}"]), world=1)
         assert abs(est["params"] - 4 * n / gb) < 1e-12 and abs(est["adam"] - 8 * n / gb) < 1e-12
         assert abs(est["rollout_weights"] - unsharded_bytes * n / gb) < 1e-12
+
+
+def test_load_splits_reports_both_files_at_once_and_skips_failing_golds(tmp_path, tiny_model):
+    """Data problems of both splits (a malformed line, a 0-byte database) in one error before the
+    warm start; a gold that fails on its database is skipped and named; every gold failing is an
+    error (the issue: a run whose golds all failed trained to the end, reward never 1)."""
+    import dataset
+    sys.path.insert(0, str(ROOT / "data"))
+    from prepare_toy import prepare_toy
+    toy = tmp_path / "toy"
+    prepare_toy(str(toy), seed=0)
+    _, tok = tiny_model
+    train_lines = (toy / "train.jsonl").read_text().splitlines()[:20]
+    eval_lines = (toy / "eval.jsonl").read_text().splitlines()[:10]
+
+    class Printed(list):
+        def print(self, *a):
+            self.append(" ".join(map(str, a)))
+
+    def load(train_lines, eval_lines):
+        (tmp_path / "train.jsonl").write_text("\n".join(train_lines) + "\n")
+        (tmp_path / "eval.jsonl").write_text("\n".join(eval_lines) + "\n")
+        cfg = C.load_config([f"--data.train_path={tmp_path}/train.jsonl", f"--data.eval_path={tmp_path}/eval.jsonl",
+                             f"--data.db_root={toy}", "--data.prompt_template=compact", "--reward.mode=set"])
+        log = Printed()
+        return train.load_splits(tok, cfg, log, 0, 1), log
+
+    def with_field(line, **kw):
+        return json.dumps({**json.loads(line), **kw})
+
+    (toy / "zero.sqlite").write_bytes(b"")
+    bad_train = train_lines[:2] + ["{not json"] + train_lines[2:]
+    bad_eval = [with_field(eval_lines[0], db_path="zero.sqlite")] + eval_lines[1:]
+    with pytest.raises(dataset.DatasetError) as e:
+        load(bad_train, bad_eval)
+    msg = str(e.value)
+    assert f"{tmp_path}/train.jsonl:3: not valid JSON" in msg, msg
+    assert f"zero.sqlite: the database is an empty file (0 bytes) (used by 1 record(s), first on {tmp_path}/eval.jsonl:1" in msg
+    # one failing gold: skipped and named
+    (train_ex, eval_ex), log = load([with_field(train_lines[0], gold_sql="SELECT nope FROM nowhere")] + train_lines[1:],
+                                    eval_lines)
+    assert len(train_ex) == 19 and len(eval_ex) == 10
+    assert log == [f"WARNING: train: skipped 1 of 20 examples whose gold query fails on its database: "
+                   f"{tmp_path}/train.jsonl:1: no such table: nowhere"]
+    with pytest.raises(dataset.DatasetError, match=r"eval: every gold query \(10\) fails on its database"):
+        load(train_lines, [with_field(line, gold_sql="SELECT 1 FROM nowhere") for line in eval_lines])
