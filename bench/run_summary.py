@@ -1,0 +1,73 @@
+"""Headline figures of a train.py run, from its metrics.jsonl and its printed log.
+
+    python bench/run_summary.py RUN_DIR LOG [--prefix grpo]
+
+Prints `name: value` lines: mean rollout / reward / update seconds per GRPO step (the first step
+apart: it captures CUDA graphs and compiles FlexAttention), sampled tokens per rollout second,
+trained tokens per update second, peak GB per phase (CUDA) beside the memory estimate train.py
+printed (`memory estimate per device (GB): ..., total X`), and the steps logged (a resumed run
+must continue the step count without repeating one).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from pathlib import Path
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    rows = []
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill: the rest still counts
+    return rows
+
+
+def estimate_total(log_text: str) -> float | None:
+    found = re.findall(r"memory estimate per device \(GB\):.*total ([0-9.]+)", log_text)
+    return float(found[-1]) if found else None
+
+
+def summary(rows: list[dict], log_text: str, prefix: str) -> list[str]:
+    steps = [r for r in rows if "time/step" in r]
+    out = [f"{prefix}_steps_logged: {len(steps)}",
+           f"{prefix}_last_step: {steps[-1]['step'] if steps else 0}"]
+    numbers = [r["step"] for r in steps]
+    out.append(f"{prefix}_repeated_steps: {len(numbers) - len(set(numbers))}")
+    later = steps[1:] or steps
+    for key in ("rollout", "reward", "update", "step"):
+        if later:
+            out.append(f"{prefix}_{key}_s: {statistics.mean(r[f'time/{key}'] for r in later):.2f}")
+    if steps:
+        out.append(f"{prefix}_first_step_s: {steps[0]['time/step']:.2f}")
+        out.append(f"{prefix}_rollout_tok_s: {statistics.mean(r['train/tokens_per_s'] for r in later):.0f}")
+    peaks = {k: max(r[k] for r in rows if k in r) for k in {k for r in rows for k in r if k.startswith("mem/")}}
+    for key, gb in sorted(peaks.items()):
+        out.append(f"{prefix}_{key[4:]}: {gb:.2f}")
+    est = estimate_total(log_text)
+    if est is not None:
+        out.append(f"{prefix}_memory_estimate_gb: {est:.2f}")
+        if peaks:
+            out.append(f"{prefix}_peak_over_estimate: {max(peaks.values()) / est:.2f}")
+    evals = [r for r in rows if "eval/ex" in r]
+    if evals:
+        out.append(f"{prefix}_eval_ex_last: {100 * evals[-1]['eval/ex']:.1f}")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run_dir")
+    ap.add_argument("log")
+    ap.add_argument("--prefix", default="run")
+    a = ap.parse_args()
+    log_text = Path(a.log).read_text(errors="replace") if Path(a.log).exists() else ""
+    print("\n".join(summary(read_metrics(a.run_dir), log_text, a.prefix)))
+
+
+if __name__ == "__main__":
+    main()
