@@ -3,7 +3,7 @@
 # at most 10 per command, so the parts come in presets sized for one call each:
 #
 #   PARTS=first bash bench/gpu.sh [OUT_DIR]    # ~8 min of limits: the run users will do
-#   PARTS=second bash bench/gpu.sh [OUT_DIR]   # ~4 min: the CUDA tests, the sampler vs generate
+#   PARTS=second bash bench/gpu.sh [OUT_DIR]   # 3 min: the suite, rollout vs generate, a decode profile
 #   PARTS="tests grpo_run" bash bench/gpu.sh   # any parts by name; PARTS=all: every part (~45 min)
 #   SMOKE=1 PARTS=first bash bench/gpu.sh DIR  # CPU dry run, tiny shapes (tests/test_gpu_preset.py)
 #
@@ -21,10 +21,12 @@
 #   captured before the timing) at B=64 and 256, real 0.5B shape and vocabulary, flex and gather:
 #   tokens/s and % of the HBM roofline (bench/policy_decode.py). (c) lora_run: 2 GRPO steps of
 #   LoRA r=32 on all projections, from the grpo run's checkpoint.
-# second: tests (the suite with CUDA visible: tests/test_cuda.py and the CUDA-only tests), the
-#   sampler against transformers generate with graphs (sampler_graphs).
+# second: tests (the suite with CUDA visible, verbose: a part cut by its limit still names its
+#   failures), rollout_vs_generate (the grpo run's rollout phase against transformers generate on
+#   the same turn shapes, bench/rollout_vs_generate.py), decode_profile (one B=256 rollout of the
+#   decode benchmark under torch.profiler: device against host time, launches per step).
 # all (each as in bench/RESULTS.md): tests attention paged_attention sampler sampler_graphs
-#   rollout_scale train_step long_microbatch update_mfu, and the first preset.
+#   rollout_scale train_step long_microbatch update_mfu, and both presets.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu}
@@ -34,19 +36,22 @@ export PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 SMOKE=${SMOKE:-0}
+RUNS=${RUNS:-runs}  # where the runs and the model go (the toy data: configs/tiny.yaml's runs/toy)
 
 FIRST="grpo_run grpo_resume decode lora_run"
-SECOND="tests sampler_graphs"
-ALL="tests attention paged_attention sampler sampler_graphs rollout_scale train_step long_microbatch update_mfu $FIRST"
+SECOND="tests rollout_vs_generate decode_profile"
+ALL="attention paged_attention sampler sampler_graphs rollout_scale train_step long_microbatch update_mfu $FIRST $SECOND"
 PARTS=${PARTS:-first}
 PARTS=${PARTS//first/$FIRST}
 PARTS=${PARTS//second/$SECOND}
 PARTS=${PARTS//all/$ALL}
 
+ran() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }  # ran NAME: NAME is in PARTS
+
 part() {  # part NAME SECONDS COMMAND...: run under a time limit, log to $OUT/NAME.txt, keep going
     local name=$1 limit=$2
     shift 2
-    case " $PARTS " in *" $name "*) ;; *) return 0 ;; esac
+    ran "$name" || return 0
     echo "=== $name (limit ${limit}s): $*" | tee -a "$SUMMARY"
     local start=$SECONDS
     timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
@@ -81,41 +86,57 @@ else
     STEPS=(3 4 2)
     LIMITS=(200 70 100 80)
 fi
-GPU_RUN="train.py configs/tiny.yaml --model.path=runs/gpu/model05b $BODY --model.dtype=bfloat16 \
+RUN_ARGS="configs/tiny.yaml --model.path=$RUNS/gpu/model05b $BODY --model.dtype=bfloat16 \
     --model.activation_checkpointing=true $SIZES --sft.lr=3e-4 --sft.stop_at_train_ex=0 --optim.lr=1e-5 \
     --grpo.dynamic_sampling=false --sampling.max_context=2048 --sampling.cuda_graphs=true \
     --sampling.paged_attention=auto --env.max_turns=3 --train.eval_every=0 --train.sample_every=0 \
-    --train.threads=0 --train.out_dir=runs/gpu_grpo"
+    --train.threads=0 --train.out_dir=$RUNS/gpu_grpo"
+GPU_RUN="train.py $RUN_ARGS"
 TORCHRUN="$PY -m torch.distributed.run --standalone --nproc_per_node=1"
 # shellcheck disable=SC2086
 part grpo_run "${LIMITS[0]}" $TORCHRUN $GPU_RUN --train.steps="${STEPS[0]}" --train.resume=false
-if [ -f runs/gpu_grpo/metrics.jsonl ]; then
-    $PY bench/run_summary.py runs/gpu_grpo "$OUT/grpo_run.txt" --prefix grpo | tee -a "$SUMMARY"
+if ran grpo_run && [ -f $RUNS/gpu_grpo/metrics.jsonl ]; then
+    $PY bench/run_summary.py $RUNS/gpu_grpo "$OUT/grpo_run.txt" --prefix grpo | tee -a "$SUMMARY"
 fi
 # shellcheck disable=SC2086
 part grpo_resume "${LIMITS[1]}" $TORCHRUN $GPU_RUN --train.steps="${STEPS[1]}" --train.resume=true
-if [ -f runs/gpu_grpo/metrics.jsonl ]; then
-    $PY bench/run_summary.py runs/gpu_grpo "$OUT/grpo_resume.txt" --prefix resumed | tee -a "$SUMMARY"
-    cp runs/gpu_grpo/metrics.jsonl "$OUT/grpo_metrics.jsonl"
+if ran grpo_resume && [ -f $RUNS/gpu_grpo/metrics.jsonl ]; then
+    $PY bench/run_summary.py $RUNS/gpu_grpo "$OUT/grpo_resume.txt" --prefix resumed | tee -a "$SUMMARY"
+    cp $RUNS/gpu_grpo/metrics.jsonl "$OUT/grpo_metrics.jsonl"
 fi
 # shellcheck disable=SC2086
 part decode "${LIMITS[2]}" $PY bench/policy_decode.py $DECODE
 # LoRA r=32 on the seven projections from the grpo run's last whole checkpoint (the warm model)
-LORA_BASE=$(ls -d runs/gpu_grpo/ckpt_*/hf 2>/dev/null | tail -n 1)
+LORA_BASE=$(ls -d $RUNS/gpu_grpo/ckpt_*/hf 2>/dev/null | tail -n 1)
 # shellcheck disable=SC2086
-part lora_run "${LIMITS[3]}" $TORCHRUN $GPU_RUN --model.path="${LORA_BASE:-runs/gpu/model05b}" \
+part lora_run "${LIMITS[3]}" $TORCHRUN $GPU_RUN --model.path="${LORA_BASE:-$RUNS/gpu/model05b}" \
     --model.build_tiny=false --sft.steps=0 --model.lora_rank=32 --model.lora_alpha=64 --optim.lr=1e-4 \
-    --train.steps="${STEPS[2]}" --train.resume=false --train.out_dir=runs/gpu_lora
-if [ -f runs/gpu_lora/metrics.jsonl ]; then
-    $PY bench/run_summary.py runs/gpu_lora "$OUT/lora_run.txt" --prefix lora | tee -a "$SUMMARY"
+    --train.steps="${STEPS[2]}" --train.resume=false --train.out_dir=$RUNS/gpu_lora
+if ran lora_run && [ -f $RUNS/gpu_lora/metrics.jsonl ]; then
+    $PY bench/run_summary.py $RUNS/gpu_lora "$OUT/lora_run.txt" --prefix lora | tee -a "$SUMMARY"
 fi
+
+# the grpo run's rollout phase against transformers generate on the same turn shapes
+RVG_MODEL=$(ls -d $RUNS/gpu_grpo/ckpt_*/hf 2>/dev/null | tail -n 1)
+RVG="--model.path=${RVG_MODEL:-$RUNS/gpu/model05b}"
+[ "$SMOKE" = 1 ] && RVG="$RVG --smoke"
+# shellcheck disable=SC2086
+part rollout_vs_generate 60 $PY bench/rollout_vs_generate.py $RUN_ARGS $RVG
+# where a B=256 decode step's time goes
+if [ "$SMOKE" = 1 ]; then PROFILE="--smoke"; else PROFILE="--device cuda --shape qwen2.5-0.5b --batches 256 --paths flex --repeats 1"; fi
+# shellcheck disable=SC2086
+part decode_profile 45 $PY bench/policy_decode.py $PROFILE --profile
 
 # -----------------------------------------------------------------------------
 # the second preset and the rest (bench/RESULTS.md has each part's figures)
 
 # (1) tests: with xdist when present; distributed tests that need one GPU per rank skip themselves
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
-part tests 110 $PY -m pytest -q -p no:cacheprovider $XDIST tests
+if [ "$SMOKE" = 1 ]; then  # the dry run only collects: it runs inside the suite itself
+    part tests 100 $PY -m pytest --collect-only -q -p no:cacheprovider tests
+else
+    part tests 100 $PY -m pytest -v --tb=line -rfE -p no:cacheprovider $XDIST tests
+fi
 
 # (2) attention kernels
 part attention 150 $PY bench/attention_probe.py

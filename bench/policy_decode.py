@@ -114,6 +114,25 @@ def sample_once(sampler: PolicySampler, prompts: list[list[int]], cfg: SamplingC
             "evictions": engine.evictions}
 
 
+def profile(sampler: PolicySampler, prompts, cfg: SamplingConfig, new: int) -> None:
+    """One rollout under torch.profiler: where a decode step's time goes (device kernels against
+    host-side op dispatch) and how many kernels each step launches outside the graph replay."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=activities) as prof:
+        sample_once(sampler, prompts, cfg, seed=99)
+    events = prof.key_averages()
+    device_sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(events.table(sort_by=device_sort, row_limit=20, max_name_column_width=60), flush=True)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60), flush=True)
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    replays = sum(e.count for e in events if e.key in ("cudaGraphLaunch",))
+    steps = max(new - 1, 1)
+    print(f"profile: {launches} kernel launches and {replays} graph replays in {steps} decode steps + prefill "
+          f"({launches / steps:.1f} launches per step)", flush=True)
+    print(f"launches_per_decode_step: {launches / steps:.1f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
@@ -125,6 +144,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-graphs", action="store_true", help="sampling.cuda_graphs off")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape, short: checks this script runs")
+    ap.add_argument("--profile", action="store_true", help="after the timing, one rollout under torch.profiler: "
+                    "the top ops by device and by host time, and kernel launches per decode step")
     a = ap.parse_args()
     if a.smoke:
         a.shape, a.device, a.batches, a.paths, a.prompt, a.new, a.repeats = "smoke", "cpu", "4", "gather", 24, 8, 1
@@ -176,6 +197,8 @@ def main():
                 heads.append(f"decode_roofline_pct_b{B}_{path}: "
                              f"{100 * tok_s / roofline_tok_s(model, B, a.prompt, a.new, measured, elem):.1f}")
             heads.append(f"refresh_ms: {1e3 * statistics.median(refresh_s):.1f}")
+            if a.profile:
+                profile(sampler, prompts, cfg, a.new)
             del sampler
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -4,8 +4,8 @@
 
 Prints `name: value` lines: mean rollout / reward / update seconds per GRPO step (the first step
 apart: it captures CUDA graphs and compiles FlexAttention), sampled tokens per rollout second,
-trained tokens per update second, peak GB per phase (CUDA) beside the memory estimate train.py
-printed (`memory estimate per device (GB): ..., total X`), and the steps logged (a resumed run
+peak GB per phase (CUDA) against the memory estimate train.py printed for that phase (`memory
+estimate per device (GB): ..., rollout X, update Y, total Z`), and the steps logged (a resumed run
 must continue the step count without repeating one).
 """
 from __future__ import annotations
@@ -27,9 +27,12 @@ def read_metrics(run_dir: str) -> list[dict]:
     return rows
 
 
-def estimate_total(log_text: str) -> float | None:
-    found = re.findall(r"memory estimate per device \(GB\):.*total ([0-9.]+)", log_text)
-    return float(found[-1]) if found else None
+def estimates(log_text: str) -> dict[str, float]:
+    """The last `memory estimate per device (GB): name value, ...` line train.py printed, as a dict."""
+    lines = [ln for ln in log_text.splitlines() if ln.startswith("memory estimate per device (GB):")]
+    if not lines:
+        return {}
+    return {k: float(v) for k, v in re.findall(r"(\w+) ([0-9.]+)", lines[-1].split(":", 1)[1])}
 
 
 def summary(rows: list[dict], log_text: str, prefix: str) -> list[str]:
@@ -48,11 +51,12 @@ def summary(rows: list[dict], log_text: str, prefix: str) -> list[str]:
     peaks = {k: max(r[k] for r in rows if k in r) for k in {k for r in rows for k in r if k.startswith("mem/")}}
     for key, gb in sorted(peaks.items()):
         out.append(f"{prefix}_{key[4:]}: {gb:.2f}")
-    est = estimate_total(log_text)
-    if est is not None:
-        out.append(f"{prefix}_memory_estimate_gb: {est:.2f}")
-        if peaks:
-            out.append(f"{prefix}_peak_over_estimate: {max(peaks.values()) / est:.2f}")
+    est = estimates(log_text)
+    if "total" in est:
+        out.append(f"{prefix}_memory_estimate_gb: {est['total']:.2f}")
+    for phase in ("rollout", "update"):  # each phase's measured peak against its own estimate
+        if phase in est and f"mem/{phase}_peak_gb" in peaks:
+            out.append(f"{prefix}_{phase}_peak_over_estimate: {peaks[f'mem/{phase}_peak_gb'] / est[phase]:.2f}")
     evals = [r for r in rows if "eval/ex" in r]
     if evals:
         out.append(f"{prefix}_eval_ex_last: {100 * evals[-1]['eval/ex']:.1f}")
