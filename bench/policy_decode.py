@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import SamplingConfig  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from policy_sampler import PolicySampler  # noqa: E402
-from sampling import StopChecker, row_key  # noqa: E402
-from scheduler import Sequence  # noqa: E402
+from engine.sampling import StopChecker, row_key  # noqa: E402
+from engine.scheduler import Sequence  # noqa: E402
 
 SHAPES = {  # the trained model's body; head_dim = hidden / heads, tied embeddings as Qwen2.5-0.5B
     "smoke": dict(vocab_size=512, hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128),
