@@ -5,20 +5,26 @@
 
 `score`: PRED has one SQL per line (line i <-> gold line i); GOLD has Spider's `SQL<TAB>db_id`
 lines; databases are DIR/<db_id>/<db_id>.sqlite. Prints EX over the examples whose database
-exists and how many were skipped because it does not. --out writes one JSON line per example
+exists and is usable, and how many were skipped because it is missing or unusable (empty, corrupt,
+unreadable: named on the same line). --out writes one JSON line per example
 (index, db_id, exec_match, skipped, error). --verdicts compares our verdicts with a file of the
 official evaluator's (fields index, exec_match, skipped) and prints the agreement.
 In spider mode each prediction line goes through the official evaluation.py's input handling:
 stripped, cut at its first TAB, " value " -> " 1 ". Other modes use the stripped line whole.
 
-    python eval.py generate --model DIR --data FILE.jsonl --db-root DIR [--n K] [--temperature T]
+    python eval.py generate --model runs/tiny/ckpt_000024 [--out DIR]          # a checkpoint: its run's settings
+    python eval.py generate --model DIR [--data FILE.jsonl] [--db-root DIR] [--n K] [--temperature T]
                             [--max-turns N] [--config YAML] [--out DIR] [--limit N] [--group.key=value ...]
     torchrun --standalone --nproc_per_node=2 eval.py generate ... [--samples K]   # split over ranks
       (torchrun reads `--n` as an ambiguous abbreviation of its own options: write --samples there)
 
 `generate`: multi-turn episodes with rollout.rollout (the training code), greedy unless
---temperature > 0 (default: the config's sampling.eval_temperature); the YAML supplies env /
-sampling / data / reward settings, flags and --group.key=value override it. Writes in --out:
+--temperature > 0 (default: the config's sampling.eval_temperature). The settings (env / sampling /
+data / reward, train.threads) are a checkpoint's own config.yaml when --model is a checkpoint
+(ckpt_<step>/ or its hf/) and --config is not given, else --config's, else the defaults; flags and
+--group.key=value override them; --data and --db-root default to data.eval_path and data.db_root.
+Nothing is downloaded: a --model that is not a model folder is an error at once. Examples whose
+gold query fails on its database are skipped and counted (as train.py's evals skip them). Writes in --out:
 predictions.sql (one SQL per line in data order, on one line; a failed episode, i.e. no valid
 solution, writes PLACEHOLDER, which always scores wrong; with --n > 1 the majority vote by
 execution result), gold.sql (`SQL<TAB>db_id`, for `score`), traces.jsonl (one line per episode:

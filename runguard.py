@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import config as C
@@ -101,8 +102,8 @@ def run_main(main, *args) -> int:
                   "checkpoint", file=sys.stderr, flush=True)
         return 128 + e.signum
     except Exception:
-        if _signal_seen:  # a peer stopped on the signal first and this rank's collective broke off
-            return 128 + _signal_seen[0]
+        if rank != 0 and _signal_seen:  # rank 0 stopped on the signal first and this rank's collective
+            return 128 + _signal_seen[0]  # broke off ("Connection closed by peer"): rank 0 has said it
         raise
 
 
@@ -203,8 +204,15 @@ class StopSignals:
 
     def __init__(self):
         self.graceful, self.signum = False, 0
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
+        me = weakref.ref(self)  # the handler must not keep this object alive (see finalize below)
+
+        def handler(signum, frame):
+            if (obj := me()) is not None:
+                obj._handle(signum, frame)
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # the caller's handlers come back once this object is dropped (train.main returned): an
+        # in-process caller (tests/test_configs.py) keeps a working Ctrl-C
+        weakref.finalize(self, _restore_handlers, previous)
 
     def _handle(self, signum, frame):
         _signal_seen.append(signum)
@@ -224,6 +232,12 @@ class StopSignals:
         if dist.is_initialized():
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
+
+
+def _restore_handlers(previous: dict):
+    if threading.current_thread() is threading.main_thread():  # signal.signal works there only
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def stop_line(signum: int, step: int, steps: int, checkpoint: str) -> str:

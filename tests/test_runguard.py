@@ -91,6 +91,8 @@ def test_stop_signals_at_once_then_at_a_step_boundary():
         with pytest.raises(runguard.Interrupted):  # a second one: at once
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
+        del stop  # train.main returned: the handlers it found are back
+        assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == handlers
     finally:
         for s, h in zip((signal.SIGTERM, signal.SIGINT), handlers):
             signal.signal(s, h)
