@@ -79,6 +79,20 @@ class Log:
             return {}
         return {p.name: p.stat().st_size for p in (Path(self.f.name), self.sample_log.path) if p.exists()}
 
+    def set_aside(self):
+        """A fresh start (nothing to resume) in an out_dir whose metrics.jsonl / samples.jsonl hold lines of
+        an earlier attempt (one stopped in its warm start, or --train.resume=false): they move to
+        <name>.<time>, so no step of this run is logged twice in one file."""
+        if self.rank != 0:
+            return
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for p in (Path(self.f.name), self.sample_log.path):
+            if p.exists() and p.stat().st_size:
+                p.rename(p.with_name(f"{p.name}.{stamp}"))
+                self.print(f"note: {p} held an earlier attempt's lines: moved to {p.name}.{stamp}")
+        self.f.close()
+        self.f = open(self.f.name, "a")
+
     def rewind(self, sizes: dict | None):
         """Cut metrics.jsonl and samples.jsonl back to a checkpoint's sizes: the steps after it are
         run again and logged again, never twice (an older checkpoint without sizes: left as is)."""
@@ -283,6 +297,8 @@ def main():
     ck = checkpoint.latest(cfg.train.out_dir) if cfg.train.resume != "false" else None
     if ck:
         checkpoint.check_resumable(ck, cfg, tok)
+    else:
+        log.set_aside()
     use_lora = cfg.model.lora_rank > 0
     if use_lora and not ck and cfg.sft.steps > 0:
         # the SFT warm start trains the full model, then LoRA adapts the warm weights: SkyRL's
