@@ -176,9 +176,6 @@ def problems(cfg: C.Config, world: int = 1) -> list[str]:
                    f"env.actions_max_result_rows ({e.actions_max_result_rows}): rows are shown from those fetched")
     if cfg.reward.correct <= cfg.reward.wrong:
         out.append(f"reward.correct ({cfg.reward.correct}) must be above reward.wrong ({cfg.reward.wrong})")
-    if cfg.sft.stop_at_train_recovery > 0 and cfg.sft.stop_at_train_ex == 0:
-        out.append("sft.stop_at_train_recovery is a condition on the EX stop: set sft.stop_at_train_ex > 0 too "
-                   "(with it 0 the warm start never stops early)")
     if m.build_tiny and m.tiny_heads >= 1 and m.tiny_kv_heads >= 1:
         if m.tiny_hidden_size % m.tiny_heads or (m.tiny_hidden_size // m.tiny_heads) % 2:
             out.append(f"model.tiny_hidden_size={m.tiny_hidden_size} must be model.tiny_heads ({m.tiny_heads}) x an "
