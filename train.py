@@ -299,6 +299,8 @@ def main():
         checkpoint.check_resumable(ck, cfg, tok)
     else:
         log.set_aside()
+        if rank == 0 and (moved := checkpoint.set_aside(cfg.train.out_dir)):
+            log.print(f"note: {cfg.train.out_dir} held an earlier run's checkpoints (train.resume=false): moved to {moved}")
     use_lora = cfg.model.lora_rank > 0
     if use_lora and not ck and cfg.sft.steps > 0:
         # the SFT warm start trains the full model, then LoRA adapts the warm weights: SkyRL's

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
 import config as C
 import distributed
 import episodes
@@ -436,3 +437,16 @@ def test_log_rewinds_to_a_checkpoint_and_sets_an_earlier_attempt_aside(tmp_path)
     assert read_metrics(tmp_path) == [{"step": 1, "sft/loss": 3.0}]
     moved = sorted(p.name for p in tmp_path.glob("*.jsonl.*"))
     assert [m.split(".jsonl.")[0] for m in moved] == ["metrics", "samples"]
+
+
+def test_a_fresh_start_sets_an_earlier_runs_checkpoints_aside(tmp_path):
+    """train.resume=false in an out_dir with an earlier run's ckpt_000024: the new run's ckpt_000008
+    would be pruned before it and a later resume would continue the old run."""
+    for step in (0, 24):
+        (tmp_path / f"ckpt_{step:06d}").mkdir()
+        (tmp_path / f"ckpt_{step:06d}" / "trainer.pt").write_text("old")
+    moved = checkpoint.set_aside(str(tmp_path))
+    assert checkpoint.latest(str(tmp_path)) is None
+    assert sorted(p.name for p in Path(moved).iterdir()) == ["ckpt_000000", "ckpt_000024"]
+    assert (Path(moved) / "ckpt_000024" / "trainer.pt").read_text() == "old"  # nothing lost
+    assert checkpoint.set_aside(str(tmp_path)) is None  # nothing left to move
