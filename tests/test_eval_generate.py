@@ -360,8 +360,9 @@ def test_a_checkpoint_is_evaluated_with_its_own_settings(setup, checkpoint_dir, 
     assert "template compact, protocol tags (single), max_turns 2, max_new_tokens 12" in printed
     assert f"{LIMIT}/{LIMIT} examples | EX 100.0%" in printed  # the progress line
     # --config still wins over the checkpoint's own
+    # (cfg.yaml names no data, so --data/--db-root are given: its defaults are runs/toy, absent on a fresh clone)
     run_main(["generate", "--model", str(checkpoint_dir), "--limit", "2", "--out", out, "--config", str(d / "cfg.yaml"),
-              "--env.max_turns=1"])
+              "--data", data, "--db-root", str(d / "toy"), "--env.max_turns=1"])
     assert read_out(out)[2]["max_turns"] == 1 and read_out(out)[2]["settings"] == str(d / "cfg.yaml")
 
 
