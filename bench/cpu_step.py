@@ -58,6 +58,7 @@ import tiny  # noqa: E402
 import train  # noqa: E402
 from distributed import all_sum, close, setup_dist, shard  # noqa: E402
 from model import Transformer  # noqa: E402
+import rollout  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 
 SHARED_PREFIX_LENS = packing.shared_prefix_lens
@@ -88,7 +89,7 @@ def gold_data(cfg, tok, n: int):
     exs = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
     random.Random(0).shuffle(exs)
     exs = exs[:n]
-    prompts = gold.render_prompts(tok, exs, cfg.data, cfg.env.protocol, cfg.data.db_root)
+    prompts = [rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in exs]
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in exs]
     return prompts, gold.build_dataset(exs, prompts, tok, cfg, db_paths)
 
@@ -126,8 +127,13 @@ class Arm:
     def update(self, trajs, adv, world, device) -> tuple[float, dict]:
         packing.CPU_DENSE_MASK = self.dense
         t0 = time.perf_counter()
-        m = train.update(self.model, None, self.opt, self.sch, trajs, adv, self.cfg, world, device)
-        return time.perf_counter() - t0, m
+        sums, grad_norms = {}, []  # the update as train.main runs it
+        logps = train.batch_logprobs(self.model, None, trajs, self.cfg, device)
+        for idx in train.mini_batches(len(trajs), self.cfg.grpo):
+            train.update(self.model, trajs, idx, adv, logps, self.cfg, world, device, sums)
+            grad_norms.append(optim.step_optimizer(self.model, self.opt, self.sch, self.cfg.optim))
+        m = {k: v / max(w, 1e-9) for k, (v, w) in sums.items()}
+        return time.perf_counter() - t0, {**m, "grad_norm": grad_norms[-1]}
 
     def sft_steps(self, batches, world, device) -> tuple[float, list]:
         """sft.run_sft's loop body on each batch; -> (seconds, [(loss, grad norm)])."""
@@ -145,9 +151,8 @@ class Arm:
                 loss_sum = sft.sft_loss_sum(self.model, [seqs[j] for j in mb.members], row_tokens=o.pack_row_tokens)
                 (loss_sum / n_tok * world).backward()
                 tot += loss_sum.detach().item()
-            stats = {}
-            optim.step_optimizer(self.model, self.sft_opt, self.sft_sch, self.cfg, stats)
-            out.append((all_sum([tot], device)[0] / n_tok, stats["_grad_norm"][0]))
+            grad_norm = optim.step_optimizer(self.model, self.sft_opt, self.sft_sch, self.cfg.optim)
+            out.append((all_sum([tot], device)[0] / n_tok, grad_norm))
         return time.perf_counter() - t0, out
 
 

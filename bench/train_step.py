@@ -92,9 +92,8 @@ def measure(model_dir: str, seqs: int, steps: int) -> dict:
         if world > 1:
             torch.distributed.barrier()
         t0 = time.perf_counter()
-        m = train.update(model, None, opt, sch, batch[lo:hi], adv[lo:hi], cfg, world, device)
+        gn.append(packed_update(model, opt, sch, batch[lo:hi], adv[lo:hi], cfg, world, device))
         times.append(time.perf_counter() - t0)
-        gn.append(m["grad_norm"])
     tokens = sum(len(t.ids) for t in batch)
     res = {"world": world, "threads": torch.get_num_threads(), "tokens": tokens,
            "loss_tokens": sum(sum(t.loss_mask) for t in batch), "times": times[1:], "grad_norm": gn}
@@ -174,9 +173,17 @@ def padded_update(model, optimizer, scheduler, trajs, adv, cfg, device) -> dict:
         loss, _ = train.grpo.policy_loss(lp, lp.detach(), adv[mb].to(device), mask, clip_low=g.clip_low,
                                          clip_high=g.clip_high, agg=g.loss_agg, norm=norm, entropy=ent)
         loss.backward()
-    stats = {}
-    optim.step_optimizer(model, optimizer, scheduler, cfg, stats)
-    return {"grad_norm": stats["_grad_norm"][0]}
+    return {"grad_norm": optim.step_optimizer(model, optimizer, scheduler, cfg.optim)}
+
+
+def packed_update(model, optimizer, scheduler, trajs, adv, cfg, world, device) -> float:
+    """The update as train.main runs it (packed): batch_logprobs, then per mini-batch train.update
+    and the optimizer step. Returns the last step's gradient norm."""
+    logps = train.batch_logprobs(model, None, trajs, cfg, device)
+    for idx in train.mini_batches(len(trajs), cfg.grpo):
+        train.update(model, trajs, idx, adv, logps, cfg, world, device, {})
+        grad_norm = optim.step_optimizer(model, optimizer, scheduler, cfg.optim)
+    return grad_norm
 
 
 def build(shape: dict, dtype, device):
@@ -223,7 +230,7 @@ def main_ab(a):
               f"{padded_tok}, packed {packed_tok} in {len(mbs)} micro-batches of "
               f"{sum(len(mb.rows) for mb in mbs)} rows", flush=True)
         fns = {"padded": lambda: padded_update(model, opt, sch, trajs, adv, cfg, device),
-               "packed": lambda: train.update(model, None, opt, sch, trajs, adv, cfg, 1, device)}
+               "packed": lambda: packed_update(model, opt, sch, trajs, adv, cfg, 1, device)}
         for fn in fns.values():  # warm-up (and CUDA: kernels, flex compile)
             fn()
         times = {k: [] for k in fns}

@@ -216,6 +216,15 @@ def microbatch_pass(model, mb, cfg, device, sync) -> float:
     return time.perf_counter() - start
 
 
+def optimizer_step(model, opt, sched, trajs, adv, cfg, device):
+    """One optimizer step of the update as train.main runs it: train.update over every
+    micro-batch (one mini-batch), then optim.step_optimizer (clip + AdamW)."""
+    logps = train.batch_logprobs(model, None, trajs, cfg, device)
+    for idx in train.mini_batches(len(trajs), cfg.grpo):
+        train.update(model, trajs, idx, adv, logps, cfg, 1, device, {})
+        optim.step_optimizer(model, opt, sched, cfg.optim)
+
+
 def peak_gib(cuda: bool) -> float:
     return torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else float("nan")
 
@@ -384,14 +393,14 @@ def main():
     # one optimizer step: train.update over all micro-batches (clip + AdamW included)
     adv = torch.tensor([(-1.0) ** i for i in range(len(trajs))])
     model.zero_grad(set_to_none=True)
-    train.update(model, None, opt, sched, trajs, adv, cfg, 1, device)  # warm-up: AdamW states
+    optimizer_step(model, opt, sched, trajs, adv, cfg, device)  # warm-up: AdamW states
     steps = []
     for _ in range(a.iters):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         sync()
         start = time.perf_counter()
-        train.update(model, None, opt, sched, trajs, adv, cfg, 1, device)
+        optimizer_step(model, opt, sched, trajs, adv, cfg, device)
         sync()
         steps.append(time.perf_counter() - start)
     step_count = {k: sum(c[k] for c in counts) for k in ("useful", "hardware")}

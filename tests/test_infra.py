@@ -124,7 +124,7 @@ def test_episode_uses_the_one_db_path_resolution(tmp_path):
 def test_train_eval_decodes_at_sampling_eval_temperature(T, monkeypatch):
     seen = {}
 
-    def fake_run_episodes(model, tok, exs, cfg, *, n, seed, greedy, sampling=None, mem=None):
+    def fake_run_episodes(sampler, tok, exs, cfg, *, n, seed, greedy, sampling=None, mem=None):
         seen.update(greedy=greedy, temperature=(sampling or cfg.sampling).temperature)
         return [], [], 0.0, 0.0
 

@@ -20,7 +20,7 @@ import torch
 import config as C
 import grpo
 import packing
-import train
+from conftest import grpo_update
 from model import ModelArgs, Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -200,7 +200,7 @@ def test_update_gradients_equal_padded_reference(agg, epochs, minis, kl, ckpt, l
     opt = SGDCapture(model)
     model.set_activation_checkpointing(ckpt)
     sch = SimpleNamespace(step=lambda: None)
-    out = train.update(model, ref_model, opt, sch, trajs, adv, cfg, 1, torch.device("cpu"))
+    out = grpo_update(model, ref_model, opt, sch, trajs, adv, cfg)
     want = reference_update(ref_copy, ref_model, trajs, adv, cfg)
     assert len(opt.grads) == len(want) == epochs * minis and out["skipped"] == 0.0
     for got_step, want_step in zip(opt.grads, want):

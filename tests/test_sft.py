@@ -49,7 +49,7 @@ def make_cfg(assets, protocol, conversation, *extra):
 def play(assets, cfg):
     _, root, recs, tok, _ = assets
     dbs = [dataset.abs_db_path(r, root) for r in recs]
-    prompts = gold.render_prompts(tok, recs, cfg.data, cfg.env.protocol, root)
+    prompts = [rollout.render_prompt(tok, r, cfg.data, cfg.env.protocol, root) for r in recs]
     return prompts, dbs, gold.gold_episodes(recs, prompts, tok, cfg, dbs)
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import config as C  # noqa: E402
 import distributed  # noqa: E402
-import train  # noqa: E402
+from conftest import grpo_update  # noqa: E402
 from test_packing import make_model, make_trajs  # noqa: E402
 
 # (loss aggregation, ppo_epochs, mini_batches, kl_beta, loss)
@@ -50,7 +50,7 @@ class Capture:
 def run(model, ref_model, trajs, adv, cfg, world):
     opt = Capture(model)
     sch = type("NoSchedule", (), {"step": lambda self: None})()
-    train.update(model, ref_model, opt, sch, trajs, adv, cfg, world, torch.device("cpu"))
+    grpo_update(model, ref_model, opt, sch, trajs, adv, cfg, world)
     return opt.grads
 
 
