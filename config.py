@@ -194,7 +194,7 @@ class OptimConfig:
     micro_batch_tokens: int = 16384  # tokens per forward/backward micro-batch
     # packed rows of at most this many tokens, several per micro-batch (0: one row per micro-batch).
     # 0 is best on both devices: CUDA's FlexAttention skips masked blocks, and CPU attention runs per
-    # sequence (segment_attention.py), never over a row's T² pairs
+    # sequence (packed_attention.py), never over a row's T² pairs
     pack_row_tokens: int = 0
 
 

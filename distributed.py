@@ -171,6 +171,27 @@ def fsdp_modules(model) -> list:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+# -----------------------------------------------------------------------------
+# micro-batch passes: every rank runs as many as the rank with the most
+
+
+def each_micro_batch(model, mbs: list, device, *, backward: bool):
+    """Yield this rank's micro-batches in order; where another rank has more, run a dummy pass
+    instead (FSDP2's collectives must match across ranks): forward only when the caller scores
+    without gradients (backward=False), forward + zero backward when it accumulates a loss. The
+    one accumulation loop of the update, old/ref logprobs and the SFT loss."""
+    n = all_max(len(mbs), device)
+    for mb in mbs:
+        yield mb
+    for _ in range(n - len(mbs)):
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)  # one token predicting another
+        if backward:  # a zero-weight forward/backward: this rank's FSDP2 collectives in step with the others
+            lp, _ = model(ids[:, :-1], ids[:, 1:])
+            (lp * 0).sum().backward()
+        else:
+            model(ids)
+
+
 class PeakMemory:
     """Peak CUDA memory per phase of a step (GB), reset at each phase's start, for comparing a
     GPU run with memory_estimate(). Every phase() is a no-op off CUDA (peaks stays empty)."""

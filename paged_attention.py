@@ -16,8 +16,8 @@ decode step (one token per row) reads them one of two ways, chosen by `PagedKVCa
   Chunks of several tokens (prefill, observations) always gather.
 
     cache = PagedKVCache.for_model(model, n_blocks, block_size, dtype, attention="auto")
-    plan = prepare(PagedBatch(cache, slots, block_tables), positions)   # once per forward
-    y = attend(q, k, v, plan, layer)                                    # every layer
+    logits = model.forward_paged(idx, positions, PagedBatch(cache, slots, block_tables))
+        # inside: plan = prepare(batch, positions) once, then every layer plan.attend(q, k, v, layer)
 
 Tests: .venv/bin/pytest tests/test_paged_attention.py tests/test_model.py
 """
@@ -105,6 +105,10 @@ class Plan:
     mask: torch.Tensor | None = None
     flex: bool = False  # a decode step read in place
     block_mask: object = None  # flex: the BlockMask over the pool's blocks, built by the first layer
+
+    def attend(self, q, k, v, layer: int):
+        """What model.Attention calls: attend(q, k, v, self, layer) below."""
+        return attend(q, k, v, self, layer)
 
 
 def prepare(batch: PagedBatch, positions: torch.Tensor) -> Plan:

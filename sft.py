@@ -24,7 +24,7 @@ import gold
 import optim
 import packing
 import rollout
-from distributed import all_sum, compute_dtype, shard
+from distributed import all_sum, compute_dtype, each_micro_batch, shard
 from model import Transformer
 from policy_sampler import PolicySampler
 
@@ -108,7 +108,7 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
         opt.zero_grad(set_to_none=True)
         tot = 0.0
         mbs = packing.plan(seqs, None, cfg.optim.micro_batch_tokens, cfg.optim.pack_row_tokens)
-        for mb in packing.each_micro_batch(model, mbs, device, backward=True):
+        for mb in each_micro_batch(model, mbs, device, backward=True):
             loss_sum = sft_loss_sum(model, [seqs[j] for j in mb.members], row_tokens=cfg.optim.pack_row_tokens)
             (loss_sum / n_tok * world).backward()
             tot += loss_sum.detach().item()

@@ -36,7 +36,7 @@ import episodes
 import samples
 import sft
 import tiny
-from distributed import (PeakMemory, all_gather_list, all_sum, close, compute_dtype, memory_estimate,
+from distributed import (PeakMemory, all_gather_list, all_sum, close, compute_dtype, each_micro_batch, memory_estimate,
                          param_count, setup_dist, shard)
 from model import Transformer
 from policy_sampler import PolicySampler
@@ -159,7 +159,7 @@ def logprobs_of(model, mbs, temperature: float, device) -> dict[int, torch.Tenso
     fixed policy, not a random draw of one."""
     out = {}
     with torch.no_grad(), training_mode(model, False):
-        for mb in packing.each_micro_batch(model, mbs, device, backward=False):
+        for mb in each_micro_batch(model, mbs, device, backward=False):
             lp, _ = packing.forward(model, mb, device, temperature)
             out.update(zip(mb.members, lp.split(mb.counts)))
     return out
@@ -235,7 +235,7 @@ def update(model, trajs, idx: list[int], adv, logps: BatchLogprobs, cfg: C.Confi
     mbs = packing.plan([seqs[i] for i in idx], [prompt_lens[i] for i in idx], cfg.optim.micro_batch_tokens,
                        cfg.optim.pack_row_tokens)
     with training_mode(model, True):  # the loss forwards run with dropout (logprobs_of turns it off)
-        for mb in packing.each_micro_batch(model, mbs, device, backward=True):
+        for mb in each_micro_batch(model, mbs, device, backward=True):
             members = [idx[j] for j in mb.members]
             lp_flat, ent_flat = packing.forward(model, mb, device, T)  # (N,) loss tokens only
             lp, ent, mask, old_lp, ref_lp, rollout_logp = loss_layout(

@@ -1,14 +1,13 @@
 """CPU time of configs/tiny.yaml's GRPO update and SFT warm-start steps: today's settings vs the
 reference they replaced, interleaved in ONE process (old, new, old, new, ...), medians of ratios.
 
-  old  packing.CPU_DENSE_MASK (SDPA over a dense (B, 1, T, T) mask) with optim.pack_row_tokens
-       512 and micro_batch_tokens 16384, AdamW's per-parameter loop (foreach=False), the LM head
-       checkpointed even as a single chunk (`checkpointed_logprobs`, the code it replaced), SFT
-       without shared prefixes, per-block FSDP2 units: the code and settings before this
-       benchmark was written
-  new  configs/tiny.yaml and the code as they are (segment_attention.py: one causal attention
-       row per sequence; shared prompt prefixes in SFT; foreach AdamW; no single-chunk recompute;
-       model.fsdp_unit model)
+  old  SDPA over a dense (B, 1, T, T) mask (`DenseRows`, the CPU attention packed_attention.py
+       replaced) with optim.pack_row_tokens 512 and micro_batch_tokens 16384, AdamW's
+       per-parameter loop (foreach=False), the LM head checkpointed even as a single chunk
+       (`checkpointed_logprobs`, the code it replaced), per-block FSDP2 units: the code and
+       settings before this benchmark was written
+  new  configs/tiny.yaml and the code as they are (packed_attention.py: one causal attention
+       row per sequence; foreach AdamW; no single-chunk recompute; model.fsdp_unit model)
   --against block: old is today's settings with per-block FSDP2 units (model.fsdp_unit block), so
        the ratios are those of the one-unit layout alone
   --against micro16k: old is today's settings with optim.micro_batch_tokens 16384 (tiny.yaml's
@@ -44,6 +43,7 @@ import time
 import types
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,17 +51,19 @@ sys.path.insert(0, ROOT)
 import config as C  # noqa: E402
 import dataset  # noqa: E402
 import optim  # noqa: E402
+import packed_attention  # noqa: E402
 import packing  # noqa: E402
+import padded  # noqa: E402  (bench/padded.py: the dense mask)
 import gold  # noqa: E402
 import sft  # noqa: E402
 import tiny  # noqa: E402
 import train  # noqa: E402
-from distributed import all_sum, close, setup_dist, shard  # noqa: E402
+from distributed import all_sum, close, each_micro_batch, setup_dist, shard  # noqa: E402
 from model import Transformer  # noqa: E402
 import rollout  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 
-SHARED_PREFIX_LENS = packing.shared_prefix_lens
+FOR_ROWS = packed_attention.for_rows
 OLD = {"pack_row_tokens": 512, "micro_batch_tokens": 16384, "dense": True, "fsdp_unit": "block"}
 BLOCK = {"fsdp_unit": "block"}  # --against block: only the FSDP2 units differ
 MICRO16K = {"micro_batch_tokens": 16384}  # --against micro16k: only the micro-batch size differs
@@ -78,6 +80,19 @@ def checkpointed_logprobs(self, h, targets, temperature):
         lps.append(lp)
         ents.append(ent)
     return torch.cat(lps, 1), torch.cat(ents, 1)
+
+
+class DenseRows:
+    """The old arm's CPU attention: SDPA over the rows' dense (B, 1, T, T) mask, every pair computed.
+    Built like packed_attention.for_rows, which the old arm's passes are pointed at."""
+
+    def __init__(self, docs, segs, width, device):
+        doc = packing.pad(docs, -1, device, width=width)  # padding: its own unit, so no row is empty
+        self.mask = padded.dense_mask(doc, packing.pad(segs, 0, device, width=width))
+
+    def attend(self, q, k, v, layer=0):  # q (B, T, H, D), k/v (B, T, Hk, D) -> (B, T, H, D)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=self.mask, enable_gqa=True).transpose(1, 2)
 
 
 # -----------------------------------------------------------------------------
@@ -125,7 +140,7 @@ class Arm:
                 opt.param_groups[0]["foreach"] = False
 
     def update(self, trajs, adv, world, device) -> tuple[float, dict]:
-        packing.CPU_DENSE_MASK = self.dense
+        packed_attention.for_rows = DenseRows if self.dense else FOR_ROWS
         t0 = time.perf_counter()
         sums, grad_norms = {}, []  # the update as train.main runs it
         logps = train.batch_logprobs(self.model, None, trajs, self.cfg, device)
@@ -137,9 +152,7 @@ class Arm:
 
     def sft_steps(self, batches, world, device) -> tuple[float, list]:
         """sft.run_sft's loop body on each batch; -> (seconds, [(loss, grad norm)])."""
-        packing.CPU_DENSE_MASK = self.dense
-        # the old arm: no prefix sharing across prompts (sft_loss_sum reads it from packing)
-        packing.shared_prefix_lens = (lambda seqs: [0] * len(seqs)) if self.dense else SHARED_PREFIX_LENS
+        packed_attention.for_rows = DenseRows if self.dense else FOR_ROWS
         o, out = self.cfg.optim, []
         t0 = time.perf_counter()
         for seqs in batches:
@@ -147,7 +160,7 @@ class Arm:
             self.sft_opt.zero_grad(set_to_none=True)
             tot = 0.0
             mbs = packing.plan(seqs, None, o.micro_batch_tokens, o.pack_row_tokens)
-            for mb in packing.each_micro_batch(self.model, mbs, device, backward=True):
+            for mb in each_micro_batch(self.model, mbs, device, backward=True):
                 loss_sum = sft.sft_loss_sum(self.model, [seqs[j] for j in mb.members], row_tokens=o.pack_row_tokens)
                 (loss_sum / n_tok * world).backward()
                 tot += loss_sum.detach().item()

@@ -93,8 +93,8 @@ class ModelRunner:
         table = None if fresh else torch.tensor([t + [scratch] * (width - len(t)) for t in tables], device=dev)
         cache = PagedBatch(self.cache, torch.tensor(slots, device=dev), table)
         last = torch.tensor(batch.chunks, device=dev) - 1
-        logits = self.model(torch.tensor(ids, device=dev), positions=torch.tensor(positions, device=dev),
-                            cache=cache, logits_at=last)  # (B, V)
+        logits = self.model.forward_paged(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), cache,
+                                          logits_at=last)  # (B, V)
         rows, sources = [], []
         for i, (s, n) in enumerate(zip(batch.seqs, batch.chunks)):
             s.num_cached += n
@@ -137,7 +137,7 @@ class ModelRunner:
                 logits = self.graphs.run(rows.tokens, rows.positions, slots, rows.tables, blocks)
             if logits is None:
                 cache = PagedBatch(self.cache, slots[:, None], rows.tables[:, :blocks])
-                logits = self.model(rows.tokens[:, None], positions=rows.positions[:, None], cache=cache)[:, -1]
+                logits = self.model.forward_paged(rows.tokens[:, None], rows.positions[:, None], cache)[:, -1]
             tokens, logps = self.sample(logits, rows.keys, rows.positions + 1, seqs)  # (B,), (B,)
             sampled_tokens.append(tokens)
             sampled_logps.append(logps)

@@ -197,7 +197,7 @@ def test_paged_extend_then_decode_equals_full_forward(tok, model):
                          + [cache.scratch * bs] * (T - len(c)))
         width = max(map(len, tables))
         table = torch.tensor([t + [cache.scratch] * (width - len(t)) for t in tables])
-        out = model(torch.tensor(ids), positions=torch.tensor(pos), cache=PagedBatch(cache, torch.tensor(slots), table))
+        out = model.forward_paged(torch.tensor(ids), torch.tensor(pos), PagedBatch(cache, torch.tensor(slots), table))
         for b, c in enumerate(chunks):
             cached[b] += len(c)
         return out  # (B, T, V)
