@@ -117,7 +117,8 @@ def format_table(result: SqlResult, max_chars: int, max_rows: int, row_cap: int 
 
 
 def format_observation(result: SqlResult, turns_left: int, cfg: EnvConfig, row_cap: int = 0) -> str:
-    """SkyRL's observation text (GUIDE §1; strings from cfg)."""
+    """SkyRL-SQL's observation text (the strings are cfg's): the result as a table, cut to
+    max_result_rows rows with a note past max_obs_chars; the error or timeout text otherwise."""
     if result.timed_out:
         body = cfg.timeout_text
     elif not result.ok:

@@ -66,7 +66,7 @@ def reduce_summary(s: dict, device) -> dict:
 
 def evaluate(sampler: PolicySampler, tok, eval_ex, cfg, rank, world, device, log, step: int, prefix="eval"):
     """Held-out episodes split over ranks (greedy at sampling.eval_temperature 0) on the sampler's
-    current weights, their reduced metrics under `prefix/`, logged (log: train.Log) and printed on
+    current weights, their reduced metrics under `prefix/`, logged (log: run_log.Log) and printed on
     one line; returns the metrics."""
     mine = eval_ex[rank::world]
     T = cfg.sampling.eval_temperature  # greedy at 0, else sampled at T (as eval.py does)
@@ -91,7 +91,7 @@ def evaluate(sampler: PolicySampler, tok, eval_ex, cfg, rank, world, device, log
 
 
 def show_samples(log, trajs, rewards, exs, k=2):
-    """Print the first k episodes in full with their reward and the gold (log: train.Log)."""
+    """Print the first k episodes in full with their reward and the gold (log: run_log.Log)."""
     for t, r, ex in list(zip(trajs, rewards, exs))[:k]:
         log.print(f"--- sample (reward {r['reward']:+.2f}, exec {r['exec_match']}, stop {t.stop_reason}, "
                   f"turns {t.num_turns}, tool calls {t.num_tool_calls}) "

@@ -109,7 +109,7 @@ def one_line(sql: str) -> str:
 
 
 def decoding_label(temperature: float, top_p: float, n: int) -> str:
-    """How predictions were decoded; scores move by up to 10 points with it (GUIDE §3)."""
+    """How predictions were decoded: greedy, sampling or majority vote move scores by up to 10 points."""
     if temperature == 0:
         return "greedy"
     s = f"sampling T={temperature:g}" + (f" top_p={top_p:g}" if top_p < 1 else "")

@@ -291,14 +291,12 @@ class ToolCalls:
            the SQL pool (sandbox.SqlPool runs one call at a time on its workers).
     """
 
-    ASYNC_THREADS = 4  # async: batches stepped at once (a slow one does not hold the next in line)
-
     def __init__(self, env_cfg):
         if env_cfg.tool_wait not in ("fixed", "async"):
             raise ValueError(f"env.tool_wait={env_cfg.tool_wait!r}: expected 'fixed' or 'async'")
         self.cfg, self.pending = env_cfg, deque()  # (due step, trajectories, future), submission order
         self.wait_async = env_cfg.tool_wait == "async"
-        threads = self.ASYNC_THREADS if self.wait_async else 1
+        threads = env_cfg.tool_threads if self.wait_async else 1
         self.thread = ThreadPoolExecutor(threads, thread_name_prefix="tool-calls")
 
     def __enter__(self):

@@ -89,7 +89,7 @@ def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log):
 def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log) -> bool:
     """Warm start on gold trajectories (loss on model-side tokens only, token-mean over the batch).
     sampler: the model's PolicySampler, refreshed with the current weights before the evals
-    (sft.eval_every, episodes.evaluate) and the sft.stop_at_train_ex check; log: train.Log.
+    (sft.eval_every, episodes.evaluate) and the sft.stop_at_train_ex check; log: run_log.Log.
     Returns whether the sampler holds the final weights (the run stopped right after a check)."""
     s = cfg.sft
     t0 = time.time()
@@ -97,8 +97,9 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]
     data = gold.build_dataset(train_ex, prompts, tok, cfg, db_paths)
     opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
-    # the stop check's questions: 128 spread over the training set (it is ordered by database)
-    probe = train_ex[::max(1, len(train_ex) // 128)][:128] if s.stop_at_train_ex > 0 else []
+    # the stop check's questions: spread over the training set (it is ordered by database)
+    n = s.stop_check_questions
+    probe = train_ex[::max(1, len(train_ex) // n)][:n] if s.stop_at_train_ex > 0 else []
     synced = False  # the sampler holds this step's weights
     was_training = model.training
     model.train()  # dropout on for the loss (the evals inside run in eval mode: the engine sets it)

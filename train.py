@@ -1,5 +1,6 @@
 """GRPO for multi-turn text-to-SQL under FSDP2. One file, top to bottom: config → process group →
-model → (SFT warm start) → loop (rollout → reward → advantage → update) → log / eval / checkpoint.
+model and its sampler → (SFT warm start) → loop (prompts → rollout → rewards → keep mask →
+advantages → update → optimizer step → weight sync) → log / eval / checkpoint.
 
     torchrun --standalone --nproc_per_node=2 train.py configs/tiny.yaml     # CPU (gloo)
     torchrun --standalone --nproc_per_node=8 train.py configs/skyrl_sql_7b.yaml --train.out_dir=runs/x
@@ -11,7 +12,6 @@ Process group, FSDP2 sharding and the collectives live in distributed.py.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
 import time
@@ -25,6 +25,7 @@ import baseline
 import checkpoint
 import config as C
 import dataset
+import episodes
 import grpo
 import lora
 import malloc_tuning
@@ -32,73 +33,19 @@ import optim
 import packing
 import plot
 import rollout
-import episodes
-import samples
 import sft
 import tiny
 from distributed import (PeakMemory, all_gather_list, all_sum, close, compute_dtype, each_micro_batch, memory_estimate,
                          param_count, setup_dist, shard)
 from model import Transformer
 from policy_sampler import PolicySampler
-
-# -----------------------------------------------------------------------------
-# logging
-
-
-class Log:
-    """Rank-0 prints, <out_dir>/metrics.jsonl and wandb (online/offline/disabled)."""
-
-    def __init__(self, cfg: C.Config, rank: int):
-        self.rank, self.run = rank, None
-        if rank != 0:
-            return
-        Path(cfg.train.out_dir).mkdir(parents=True, exist_ok=True)
-        self.f = open(Path(cfg.train.out_dir) / "metrics.jsonl", "a")
-        if cfg.wandb.mode != "disabled":
-            import wandb
-            self.run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or None, mode=cfg.wandb.mode,
-                                  config=C.to_dict(cfg), dir=cfg.train.out_dir)
-        self.sample_log = samples.SampleLog(cfg.train.out_dir, self.run)  # samples.jsonl (+ wandb table)
-
-    def print(self, *a):
-        if self.rank == 0:
-            print(*a, flush=True)
-
-    def metrics(self, step: int, m: dict):
-        if self.rank != 0:
-            return
-        self.f.write(json.dumps({"step": step, **{k: float(v) for k, v in m.items()}}) + "\n")
-        self.f.flush()
-        if self.run is not None:
-            self.run.log(m, step=step)
-
-
-class Phases:
-    """Seconds per phase of a step (the time/* metrics) and, on CUDA, each phase's peak memory.
-
-        with phase("rollout"): ...       # may run several times in a step: the seconds add up
-        seconds = phase.pop()            # {name: seconds} since the last pop"""
-
-    def __init__(self, mem: PeakMemory):
-        self.mem, self.seconds = mem, {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        t = time.time()
-        with self.mem.phase(name):
-            yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.time() - t
-
-    def pop(self) -> dict:
-        out, self.seconds = self.seconds, {}
-        return out
-
+from run_log import Log, Phases
 
 # -----------------------------------------------------------------------------
 # data and prompts
 
 
-def load_split(path: str, limit: int, tok, cfg: C.Config, log: "Log", name: str) -> list[dict]:
+def load_split(path: str, limit: int, tok, cfg: C.Config, log: Log, name: str) -> list[dict]:
     """Records of one split, minus those whose prompt exceeds data.max_prompt_tokens (or cannot
     fit sampling.max_context with one generated token): counted and reported, never silent."""
     exs = dataset.load_examples(path, cfg.data.db_root, limit)
@@ -265,7 +212,7 @@ def main():
         torch.set_num_threads(cfg.train.threads)
     log = Log(cfg, rank)
     log.print(C.dump(cfg))
-    if rank == 0:
+    if rank == 0 and (cfg.data.prepare_toy or cfg.model.build_tiny):  # the toy recipes: their data and model
         tiny.prepare_assets(cfg)
     if dist.is_initialized():
         dist.barrier()

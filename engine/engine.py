@@ -30,8 +30,6 @@ from engine.model_runner import ModelRunner
 from engine.sampling import StopChecker
 from engine.scheduler import Scheduler, Sequence
 
-PREFILL_TOKENS = 16384  # padded tokens per prefill forward (bounds its attention mask and activations)
-
 
 def window_steps(cfg, device: torch.device) -> int:
     """Decode steps per host read: sampling.decode_steps_per_sync, or when 0, 8 on CUDA (where a read
@@ -86,7 +84,7 @@ class Engine:
                              f"{max(worst_case)} tokens: raise sampling.kv_budget_tokens")
         self.stopper = stopper
         self.blocks = BlockManager(n_blocks, bs)
-        self.scheduler = Scheduler(self.blocks, self.cfg.max_decode_rows, PREFILL_TOKENS)
+        self.scheduler = Scheduler(self.blocks, self.cfg.max_decode_rows, self.cfg.prefill_tokens)
         self.runner.reset(stopper.candidates(self.model.config.vocab_size), greedy=greedy, logits_hook=logits_hook)
         self.window = 1 if logits_hook is not None else window_steps(self.cfg, self.device)
         # what a benchmark reads: steps, and per decode step the live rows and the blocks in use

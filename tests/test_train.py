@@ -19,6 +19,7 @@ import episodes
 import gold
 import optim
 import rollout
+import run_log
 import sft
 import tiny
 import train
@@ -111,7 +112,7 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
     real_step = optim.step_optimizer
     monkeypatch.setattr(optim, "step_optimizer", lambda *a: steps.append(1) or real_step(*a))
     monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
-    log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
     model = Transformer.from_pretrained(path)
     sampler = CountingSampler()
     synced = sft.run_sft(model, sampler, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log)
@@ -160,7 +161,7 @@ def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, monkeypatch,
         ex, recovery = curve[step]
         return {f"{prefix}/ex": ex, **({f"{prefix}/recovery_rate": recovery} if recovery is not None else {})}
     monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
-    log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
     sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
                 torch.device("cpu"), log)
     assert checks == [c for c in range(10, (stops_at or 30) + 1, 10) if c >= check_from]
@@ -182,7 +183,7 @@ def test_sft_loss_runs_in_training_mode(tmp_path, tiny_model, monkeypatch):
     modes, real_loss = [], sft.sft_loss_sum
     monkeypatch.setattr(sft, "sft_loss_sum", lambda model, *a, **kw: modes.append(model.training) or
                         real_loss(model, *a, **kw))
-    log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
     model = Transformer.from_pretrained(path)
     sft.run_sft(model, CountingSampler(), tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log)
     assert modes and all(modes) and not model.training
