@@ -6,7 +6,8 @@ type-checked against its default; an unknown key or a bad value fails at once, n
 and the closest valid ones.
 
     python config.py                      # print every key with its default
-    python config.py configs/tiny.yaml    # print the resolved config of a file (+ overrides)
+    python config.py configs/tiny.yaml    # print the resolved config of a file (+ overrides), checked
+Value ranges and consistency between keys: config_checks.py.
 """
 from __future__ import annotations
 
@@ -387,20 +388,33 @@ def _flatten_yaml(d: Any, path: str) -> dict[str, Any]:
     return out
 
 
-def load_config(argv: list[str] | None = None) -> Config:
-    """argv: [config.yaml] [--group.key=value ...] (a YAML path is optional)."""
+def yaml_error_text(e: yaml.YAMLError) -> str:
+    """A YAML syntax error on one line: 'line L, column C: what' (PyYAML prints it over ~6 lines)."""
+    mark = getattr(e, "problem_mark", None)
+    what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+    return f"YAML syntax error at line {mark.line + 1}, column {mark.column + 1}: {what}" if mark else \
+        f"YAML syntax error: {what}"
+
+
+def load_config(argv: list[str] | None = None, base: Config | None = None) -> Config:
+    """argv: [config.yaml] [--group.key=value ...] (a YAML path is optional), applied over `base`
+    (default: the defaults; eval.py passes a checkpoint's saved config)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    cfg = Config()
+    cfg = base if base is not None else Config()
     files = [a for a in argv if not a.startswith("--")]
     overrides = [a for a in argv if a.startswith("--")]
     if len(files) > 1:
         raise ConfigError(f"expected at most one config file, got {files}")
     for path in files:
         try:
-            with open(path) as fh:
+            with open(path, encoding="utf-8") as fh:
                 data = yaml.safe_load(fh) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from None
+        except yaml.YAMLError as e:  # a scanner/parser error: say where, on one line
+            raise ConfigError(f"{path}: {yaml_error_text(e)}") from None
         apply(cfg, _flatten_yaml(data, path))
     flat = {}
     for a in overrides:
@@ -443,8 +457,10 @@ def dump(cfg: Config) -> str:
 
 
 if __name__ == "__main__":
+    import config  # the module config_checks raises from (this file runs as __main__)
+    import config_checks  # value ranges and consistency (world size 1)
     try:
-        c = load_config()
-    except ConfigError as e:
+        c = config_checks.validate(config.load_config())
+    except config.ConfigError as e:
         sys.exit(f"error: {e}")
-    print(dump(c), end="")
+    print(config.dump(c), end="")

@@ -3,12 +3,14 @@ peak memory per phase of a step (Phases). train.py makes one of each; the evals 
 write through the Log they are handed.
 
     log = Log(cfg, rank); log.print("..."); log.metrics(step, {"train/reward": 0.3})
+    log.sizes() / log.rewind(sizes) / log.set_aside()   # a checkpoint's log sizes; resume; a fresh start
     phase = Phases(PeakMemory(device)); with phase("rollout"): ...; seconds = phase.pop()
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -42,6 +44,36 @@ class Log:
         self.f.flush()
         if self.run is not None:
             self.run.log(m, step=step)
+
+    def sizes(self) -> dict:
+        """Bytes written so far to metrics.jsonl and samples.jsonl (rank 0; {} elsewhere): a
+        checkpoint keeps them, so a resume can drop what was logged after it."""
+        if self.rank != 0:
+            return {}
+        return {p.name: p.stat().st_size for p in (Path(self.f.name), self.sample_log.path) if p.exists()}
+
+    def set_aside(self):
+        """A fresh start (nothing to resume) in an out_dir whose metrics.jsonl / samples.jsonl hold lines of
+        an earlier attempt (one stopped in its warm start, or --train.resume=false): they move to
+        <name>.<time>, so no step of this run is logged twice in one file."""
+        if self.rank != 0:
+            return
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for p in (Path(self.f.name), self.sample_log.path):
+            if p.exists() and p.stat().st_size:
+                p.rename(p.with_name(f"{p.name}.{stamp}"))
+                self.print(f"note: {p} held an earlier attempt's lines: moved to {p.name}.{stamp}")
+        self.f.close()
+        self.f = open(self.f.name, "a")
+
+    def rewind(self, sizes: dict | None):
+        """Cut metrics.jsonl and samples.jsonl back to a checkpoint's sizes: the steps after it are
+        run again and logged again, never twice (an older checkpoint without sizes: left as is)."""
+        if self.rank != 0 or not sizes:
+            return
+        for p in (Path(self.f.name), self.sample_log.path):
+            if p.name in sizes and p.exists() and p.stat().st_size > sizes[p.name]:
+                os.truncate(p, sizes[p.name])  # metrics.jsonl is open for appending: writes go to the new end
 
 
 class Phases:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import baseline
 import checkpoint
 import config as C
+import config_checks
 import dataset
 import episodes
 import grpo
@@ -33,6 +34,7 @@ import optim
 import packing
 import plot
 import rollout
+import runguard
 import sft
 import tiny
 from distributed import (PeakMemory, all_gather_list, all_sum, close, compute_dtype, each_micro_batch, memory_estimate,
@@ -45,20 +47,44 @@ from run_log import Log, Phases
 # data and prompts
 
 
-def load_split(path: str, limit: int, tok, cfg: C.Config, log: Log, name: str) -> list[dict]:
-    """Records of one split, minus those whose prompt exceeds data.max_prompt_tokens (or cannot
-    fit sampling.max_context with one generated token): counted and reported, never silent."""
-    exs = dataset.load_examples(path, cfg.data.db_root, limit)
-    lengths = [len(rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root)) for ex in exs]
-    kept, dropped = dataset.fit_prompts(exs, lengths, cfg.data.max_prompt_tokens, cfg.sampling.max_context)
-    if dropped:
-        log.print(f"{name}: dropped {dropped} of {len(exs)} examples whose prompt is longer than "
-                  f"{min(cfg.data.max_prompt_tokens, cfg.sampling.max_context - 1)} tokens "
-                  f"(data.max_prompt_tokens {cfg.data.max_prompt_tokens}, sampling.max_context "
-                  f"{cfg.sampling.max_context})")
-    if not kept:
-        raise C.ConfigError(f"{name}: every prompt of {path} is too long (data.max_prompt_tokens)")
-    return kept
+def load_splits(tok, cfg: C.Config, log: Log, rank: int, world: int) -> tuple[list[dict], list[dict]]:
+    """(train, eval) records. Every problem of both files and their databases is reported at once
+    (DatasetError); records whose gold query fails on its database are dropped and counted (each
+    rank runs a share of the golds; all ranks drop the same ones), as are those whose prompt
+    exceeds data.max_prompt_tokens (or cannot fit sampling.max_context with one generated token)."""
+    d = cfg.data
+    splits, problems = {}, []
+    for name, path, limit in (("train", d.train_path, d.max_train_examples), ("eval", d.eval_path, d.max_eval_examples)):
+        try:
+            splits[name] = dataset.load_examples(path, d.db_root, limit)
+        except dataset.DatasetError as e:
+            problems.append(str(e))
+    if problems:
+        raise dataset.DatasetError("\n".join(problems))
+    both = splits["train"] + splits["eval"]
+    mine = list(range(rank, len(both), world))
+    errors = [""] * len(both)
+    for i, err in all_gather_list([(i, e) for i, e in zip(mine, dataset.gold_failures([both[i] for i in mine], cfg.reward))
+                                   if e]):
+        errors[i] = err
+    n_train = len(splits["train"])
+    out = []
+    for name, path, exs, errs in (("train", d.train_path, splits["train"], errors[:n_train]),
+                                  ("eval", d.eval_path, splits["eval"], errors[n_train:])):
+        exs, note = dataset.drop_failing_golds(exs, errs, name)
+        if note:
+            log.print(f"WARNING: {note}")
+        lengths = [len(rollout.render_prompt(tok, ex, d, cfg.env.protocol, d.db_root)) for ex in exs]
+        kept, dropped = dataset.fit_prompts(exs, lengths, d.max_prompt_tokens, cfg.sampling.max_context)
+        if dropped:
+            log.print(f"{name}: dropped {dropped} of {len(exs)} examples whose prompt is longer than "
+                      f"{min(d.max_prompt_tokens, cfg.sampling.max_context - 1)} tokens "
+                      f"(data.max_prompt_tokens {d.max_prompt_tokens}, sampling.max_context "
+                      f"{cfg.sampling.max_context})")
+        if not kept:
+            raise C.ConfigError(f"{name}: every prompt of {path} is too long (data.max_prompt_tokens)")
+        out.append(kept)
+    return out[0], out[1]
 
 
 class PromptStream:
@@ -204,27 +230,36 @@ def update(model, trajs, idx: list[int], adv, logps: BatchLogprobs, cfg: C.Confi
 
 def main():
     t_launch = time.time()
-    cfg = C.load_config()
+    # Checks that need no process group come first: a user error (runguard.run_main prints it once,
+    # on rank 0) then stops every rank before any collective, warm start or checkpoint
+    cfg = config_checks.validate(C.load_config(), runguard.launch_world())
+    if not cfg.model.build_tiny or (Path(cfg.model.path) / "config.json").exists():
+        config_checks.check_model_folder(cfg.model.path)
+    out_dir_lock = runguard.lock_out_dir(cfg.train.out_dir) if runguard.launch_rank() == 0 else None  # held till exit
     rank, world, device = setup_dist(cfg.train.dist_timeout_s)
+    runguard.stop_with_launcher()  # torchrun killed (kill -9): its ranks stop, not train on as orphans
+    stop = runguard.StopSignals()  # Ctrl-C / SIGTERM: at once until the loop, then at a step boundary
     if device.type == "cpu":  # large CPU tensors reuse freed heap memory, no fresh pages per step
         malloc_tuning.keep_freed_memory()
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     log = Log(cfg, rank)
     log.print(C.dump(cfg))
-    if rank == 0 and (cfg.data.prepare_toy or cfg.model.build_tiny):  # the toy recipes: their data and model
-        tiny.prepare_assets(cfg)
-    if dist.is_initialized():
-        dist.barrier()
+    if cfg.data.prepare_toy or cfg.model.build_tiny:  # the toy recipes: their data and model, when absent
+        runguard.on_rank0(lambda: tiny.prepare_assets(cfg), rank)  # a user error there stops every rank
+    config_checks.check_model_folder(cfg.model.path)
     torch.manual_seed(cfg.train.seed)
 
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    train_ex = load_split(cfg.data.train_path, cfg.data.max_train_examples, tok, cfg, log, "train")
-    eval_ex = load_split(cfg.data.eval_path, cfg.data.max_eval_examples, tok, cfg, log, "eval")
+    tok = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)  # no network at run time
+    train_ex, eval_ex = load_splits(tok, cfg, log, rank, world)
     ck = checkpoint.latest(cfg.train.out_dir) if cfg.train.resume != "false" else None
     if ck:
         checkpoint.check_resumable(ck, cfg, tok)
+    else:
+        log.set_aside()
+        if rank == 0 and (moved := checkpoint.set_aside(cfg.train.out_dir)):
+            log.print(f"note: {cfg.train.out_dir} held an earlier run's checkpoints (train.resume=false): moved to {moved}")
     use_lora = cfg.model.lora_rank > 0
     if use_lora and not ck and cfg.sft.steps > 0:
         # the SFT warm start trains the full model, then LoRA adapts the warm weights: SkyRL's
@@ -260,6 +295,7 @@ def main():
     if ck:
         extra = checkpoint.load(ck, model, optimizer, scheduler)
         step, cursor = extra["step"], extra["cursor"]
+        log.rewind(extra.get("log_sizes"))  # what was logged after the checkpoint is logged again
         # the config's lr wins over the saved one (a no-op when unchanged: resume stays exact)
         scheduler.base_lrs = [o.lr for _ in optimizer.param_groups]
         for grp, f in zip(optimizer.param_groups, scheduler.lr_lambdas):
@@ -268,8 +304,8 @@ def main():
     else:
         if cfg.sft.steps > 0 and not use_lora:  # syncs the sampler before each of its evals
             synced = sft.run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log)
-        checkpoint.save(cfg.train.out_dir, 0, model, optimizer, scheduler, tok, cfg, {"cursor": 0},
-                        keep=cfg.train.keep_checkpoints)
+        checkpoint.save(cfg.train.out_dir, 0, model, optimizer, scheduler, tok, cfg,
+                        {"cursor": 0, "log_sizes": log.sizes()}, keep=cfg.train.keep_checkpoints)
     if not synced:
         sampler.refresh(model)  # weight sync: the weights GRPO starts from
     if step == 0:  # held-out EX before any GRPO step (after the warm start), beside the random floor
@@ -286,9 +322,10 @@ def main():
         ref_model = shard(ref_model.requires_grad_(False), compute_dtype(cfg), cfg.model.fsdp_unit)
 
     stream = PromptStream(len(train_ex), cfg.train.seed, cursor)
-    G, P = cfg.grpo.group_size, cfg.grpo.prompts_per_step
-    assert P % world == 0, f"grpo.prompts_per_step={P} must be divisible by the world size {world}"
+    G, P = cfg.grpo.group_size, cfg.grpo.prompts_per_step  # P % world == 0: config_checks.validate
     rounds = 1 + (cfg.grpo.max_resample_rounds if cfg.grpo.dynamic_sampling else 0)
+    stop.at_step_boundary()  # from here a signal stops the run after its step, with a checkpoint
+    saved_at, stopped = step, 0
     t_start, first_step = time.time(), step
     speed = {"sampled": 0.0, "rollout_s": 0.0, "trained": 0.0, "update_s": 0.0}  # the last line's tokens/s
     phase = Phases(PeakMemory(device))  # seconds per phase (time/*) and, on CUDA, peak GB (mem/*_peak_gb)
@@ -373,10 +410,20 @@ def main():
             episodes.evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
         if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
             checkpoint.save(cfg.train.out_dir, step, model, optimizer, scheduler, tok, cfg,
-                            {"cursor": stream.cursor}, keep=cfg.train.keep_checkpoints)
+                            {"cursor": stream.cursor, "log_sizes": log.sizes()}, keep=cfg.train.keep_checkpoints)
+            saved_at = step
         if rank == 0 and cfg.train.plot_every and (step % cfg.train.plot_every == 0
                                                   or step == cfg.train.steps):
             plot.refresh(cfg.train.out_dir)
+        if step < cfg.train.steps and (stopped := stop.requested(device)):  # collective: all ranks agree
+            break
+    if stopped:  # SIGINT/SIGTERM (or torchrun gone): keep the steps done, then exit 128 + signal
+        path = checkpoint.save(cfg.train.out_dir, step, model, optimizer, scheduler, tok, cfg,
+                               {"cursor": stream.cursor, "log_sizes": log.sizes()},
+                               keep=cfg.train.keep_checkpoints) if saved_at != step else checkpoint.latest(cfg.train.out_dir)
+        log.print(runguard.stop_line(stopped, step, cfg.train.steps, path))
+        close()
+        raise runguard.Stopped(stopped)
     log.metrics(step, {plot.DONE: 1.0})  # the run's final line: plot.py --follow stops on it
     # the machine's speed beside the wall time: sampled tokens per rollout second (all ranks) and
     # tokens (prompt + response) through the update's forward + backward per update second
@@ -387,7 +434,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except C.ConfigError as e:
-        sys.exit(f"config error: {e}")
+    sys.exit(runguard.run_main(main))  # a user error: one line on rank 0, exit 1; a stop: 128 + signal

@@ -50,6 +50,8 @@ def test_bad_grid_key_fails_before_anything_runs(tmp_path):
         sweep.main(["configs/tiny.yaml", "--grid", "grpo.los=grpo", "--out", str(tmp_path)])
     with pytest.raises(C.ConfigError, match="grpo.loss"):
         sweep.main(["configs/tiny.yaml", "--grid", "grpo.loss=grpo,ppo", "--out", str(tmp_path)])
+    with pytest.raises(C.ConfigError, match="point 'grpo.group_size=1'.*grpo.group_size"):  # a value out of range
+        sweep.main(["configs/tiny.yaml", "--grid", "grpo.group_size=4,1", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())  # nothing written, nothing run
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
 import config as C
 import distributed
 import episodes
@@ -381,3 +382,87 @@ def test_memory_estimate_counts_the_one_rank_fsdp2_layout():
         est = distributed.memory_estimate(m, C.load_config([f"--model.dtype={dtype}"]), world=1)
         assert abs(est["params"] - 4 * n / gb) < 1e-12 and abs(est["adam"] - 8 * n / gb) < 1e-12
         assert abs(est["rollout_weights"] - unsharded_bytes * n / gb) < 1e-12
+
+
+def test_load_splits_reports_both_files_at_once_and_skips_failing_golds(tmp_path, tiny_model):
+    """Data problems of both splits (a malformed line, a 0-byte database) in one error before the
+    warm start; a gold that fails on its database is skipped and named; every gold failing is an
+    error (the issue: a run whose golds all failed trained to the end, reward never 1)."""
+    import dataset
+    sys.path.insert(0, str(ROOT / "data"))
+    from prepare_toy import prepare_toy
+    toy = tmp_path / "toy"
+    prepare_toy(str(toy), seed=0)
+    _, tok = tiny_model
+    train_lines = (toy / "train.jsonl").read_text().splitlines()[:20]
+    eval_lines = (toy / "eval.jsonl").read_text().splitlines()[:10]
+
+    class Printed(list):
+        def print(self, *a):
+            self.append(" ".join(map(str, a)))
+
+    def load(train_lines, eval_lines):
+        (tmp_path / "train.jsonl").write_text("\n".join(train_lines) + "\n")
+        (tmp_path / "eval.jsonl").write_text("\n".join(eval_lines) + "\n")
+        cfg = C.load_config([f"--data.train_path={tmp_path}/train.jsonl", f"--data.eval_path={tmp_path}/eval.jsonl",
+                             f"--data.db_root={toy}", "--data.prompt_template=compact", "--reward.mode=set"])
+        log = Printed()
+        return train.load_splits(tok, cfg, log, 0, 1), log
+
+    def with_field(line, **kw):
+        return json.dumps({**json.loads(line), **kw})
+
+    (toy / "zero.sqlite").write_bytes(b"")
+    bad_train = train_lines[:2] + ["{not json"] + train_lines[2:]
+    bad_eval = [with_field(eval_lines[0], db_path="zero.sqlite")] + eval_lines[1:]
+    with pytest.raises(dataset.DatasetError) as e:
+        load(bad_train, bad_eval)
+    msg = str(e.value)
+    assert f"{tmp_path}/train.jsonl:3: not valid JSON" in msg, msg
+    assert f"zero.sqlite: the database is an empty file (0 bytes) (used by 1 record(s), first on {tmp_path}/eval.jsonl:1" in msg
+    # one failing gold: skipped and named
+    (train_ex, eval_ex), log = load([with_field(train_lines[0], gold_sql="SELECT nope FROM nowhere")] + train_lines[1:],
+                                    eval_lines)
+    assert len(train_ex) == 19 and len(eval_ex) == 10
+    assert log == [f"WARNING: train: skipped 1 of 20 examples whose gold query fails on its database: "
+                   f"{tmp_path}/train.jsonl:1: no such table: nowhere"]
+    with pytest.raises(dataset.DatasetError, match=r"eval: every gold query \(10\) fails on its database"):
+        load(train_lines, [with_field(line, gold_sql="SELECT 1 FROM nowhere") for line in eval_lines])
+
+
+def test_log_rewinds_to_a_checkpoint_and_sets_an_earlier_attempt_aside(tmp_path):
+    """Resume: what was logged after the checkpoint is cut (the steps run again, logged once);
+    a fresh start moves an earlier attempt's lines aside (a run stopped in its warm start had them)."""
+    cfg = C.load_config([f"--train.out_dir={tmp_path}"])
+    log = run_log.Log(cfg, 0)
+    log.metrics(1, {"train/reward": 0.5})
+    (tmp_path / "samples.jsonl").write_text('{"step": 1}\n')
+    sizes = log.sizes()
+    assert sizes == {"metrics.jsonl": len('{"step": 1, "train/reward": 0.5}\n'), "samples.jsonl": 12}
+    log.metrics(2, {"train/reward": 0.7})
+    with open(tmp_path / "samples.jsonl", "a") as fh:
+        fh.write('{"step": 2}\n')
+    log.rewind(sizes)
+    log.metrics(2, {"train/reward": 0.6})
+    assert [(r["step"], r["train/reward"]) for r in read_metrics(tmp_path)] == [(1, 0.5), (2, 0.6)]
+    assert (tmp_path / "samples.jsonl").read_text() == '{"step": 1}\n'
+    log.rewind(None)  # a checkpoint written before log_sizes existed: left as it is
+    assert len(read_metrics(tmp_path)) == 2
+    log.set_aside()
+    log.metrics(1, {"sft/loss": 3.0})
+    assert read_metrics(tmp_path) == [{"step": 1, "sft/loss": 3.0}]
+    moved = sorted(p.name for p in tmp_path.glob("*.jsonl.*"))
+    assert [m.split(".jsonl.")[0] for m in moved] == ["metrics", "samples"]
+
+
+def test_a_fresh_start_sets_an_earlier_runs_checkpoints_aside(tmp_path):
+    """train.resume=false in an out_dir with an earlier run's ckpt_000024: the new run's ckpt_000008
+    would be pruned before it and a later resume would continue the old run."""
+    for step in (0, 24):
+        (tmp_path / f"ckpt_{step:06d}").mkdir()
+        (tmp_path / f"ckpt_{step:06d}" / "trainer.pt").write_text("old")
+    moved = checkpoint.set_aside(str(tmp_path))
+    assert checkpoint.latest(str(tmp_path)) is None
+    assert sorted(p.name for p in Path(moved).iterdir()) == ["ckpt_000000", "ckpt_000024"]
+    assert (Path(moved) / "ckpt_000024" / "trainer.pt").read_text() == "old"  # nothing lost
+    assert checkpoint.set_aside(str(tmp_path)) is None  # nothing left to move
