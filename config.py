@@ -288,6 +288,20 @@ class ConfigError(ValueError):
     pass
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # what model.lora_targets may name
+
+
+def lora_targets(model_cfg) -> tuple[str, ...]:
+    """model.lora_targets parsed, in LORA_TARGETS order; ConfigError naming the key for an unknown
+    name or none (lora.LoraSpec and config_checks both read it through this)."""
+    names = [t.strip() for t in str(model_cfg.lora_targets).split(",") if t.strip()]
+    bad = [t for t in names if t not in LORA_TARGETS]
+    if bad or not names:
+        raise ConfigError(f"model.lora_targets: {bad or 'empty'} not in {list(LORA_TARGETS)} "
+                          f"(comma-separated, e.g. 'q,v' or 'q,k,v,o,gate,up,down')")
+    return tuple(t for t in LORA_TARGETS if t in names)
+
+
 def _fields(dc) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(dc)}
 

@@ -197,10 +197,9 @@ def problems(cfg: C.Config, world: int = 1) -> list[str]:
         if m.tiny_heads % m.tiny_kv_heads:
             out.append(f"model.tiny_heads={m.tiny_heads} must be a multiple of model.tiny_kv_heads ({m.tiny_kv_heads})")
     if m.lora_rank > 0:
-        import lora
         try:
-            lora.LoraSpec.from_config(m)
-        except ValueError as err:
+            C.lora_targets(m)
+        except C.ConfigError as err:
             out.append(str(err))
     if cfg.wandb.mode != "disabled" and not cfg.wandb.project.strip():
         out.append(f"wandb.project must not be empty with wandb.mode={cfg.wandb.mode}")

@@ -17,10 +17,20 @@ import dataclasses
 import time
 
 import config as C
+import dataset
 import env
 import reward
+import rollout
 from distributed import PeakMemory, all_sum
 from policy_sampler import PolicySampler
+
+
+def episode(traj, example: dict, db_root, final_sql: str | None = None) -> dict:
+    """The input reward.episode_rewards scores: one rollout.Trajectory of one dataset record.
+    final_sql: the answer to execute, when the caller rewrote it (default traj.final_sql)."""
+    return {"db_path": dataset.abs_db_path(example, db_root), "gold_sql": example["gold_sql"],
+            "response": traj.text, "final_sql": traj.final_sql if final_sql is None else final_sql,
+            "finished": traj.finished, "steps": traj.steps}
 
 
 def rewards(trajs, examples, tok, cfg: C.Config, *, n: int = 1, final_sqls: list[str] | None = None) -> list[dict]:
@@ -29,8 +39,8 @@ def rewards(trajs, examples, tok, cfg: C.Config, *, n: int = 1, final_sqls: list
     rewrote them (eval.py scores its one-line predictions), default each trajectory's final_sql."""
     reps = [ex for ex in examples for _ in range(n)]
     answers = final_sqls or [None] * len(trajs)
-    eps = [reward.episode(t, ex, cfg.data.db_root, a) for t, ex, a in zip(trajs, reps, answers)]
-    return reward.episode_rewards(eps, cfg.reward, cfg.env.protocol, reward.conversation_pieces(tok, cfg.env))
+    eps = [episode(t, ex, cfg.data.db_root, a) for t, ex, a in zip(trajs, reps, answers)]
+    return reward.episode_rewards(eps, cfg.reward, cfg.env.protocol, rollout.conversation_pieces(tok, cfg.env))
 
 
 def run_episodes(sampler: PolicySampler, tok, exs, cfg: C.Config, *, n: int, seed: int, greedy: bool,

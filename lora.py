@@ -38,7 +38,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+import config as C
+
+TARGETS = C.LORA_TARGETS  # q, k, v, o, gate, up, down
 HF_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
              "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
              "down": "mlp.down_proj"}
@@ -63,19 +65,14 @@ class LoraSpec:
     @classmethod
     def from_config(cls, model_cfg) -> "LoraSpec":
         """From config.ModelConfig's lora_* keys, with errors naming the key."""
-        names = [t.strip() for t in str(model_cfg.lora_targets).split(",") if t.strip()]
-        bad = [t for t in names if t not in TARGETS]
-        if bad or not names:
-            raise ValueError(f"model.lora_targets: {bad or 'empty'} not in {list(TARGETS)} "
-                             f"(comma-separated, e.g. 'q,v' or 'q,k,v,o,gate,up,down')")
+        targets = C.lora_targets(model_cfg)
         if model_cfg.lora_rank <= 0:
             raise ValueError(f"model.lora_rank must be > 0 for LoRA, got {model_cfg.lora_rank}")
         if model_cfg.lora_alpha <= 0:
             raise ValueError(f"model.lora_alpha must be > 0, got {model_cfg.lora_alpha}")
         if not 0.0 <= model_cfg.lora_dropout < 1.0:
             raise ValueError(f"model.lora_dropout must be in [0, 1), got {model_cfg.lora_dropout}")
-        return cls(int(model_cfg.lora_rank), float(model_cfg.lora_alpha),
-                   float(model_cfg.lora_dropout), tuple(t for t in TARGETS if t in names))
+        return cls(int(model_cfg.lora_rank), float(model_cfg.lora_alpha), float(model_cfg.lora_dropout), targets)
 
 
 # -----------------------------------------------------------------------------
@@ -317,7 +314,6 @@ def load_adapter(model, folder):
 
 def main(argv=None):
     """Print the per-device memory of a config's LoRA run next to its full fine-tune."""
-    import config as C
     import distributed
     from model import ModelArgs, Transformer
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -269,25 +269,6 @@ def dense_shaping(steps: list[dict], gold: list | None, cfg: RewardConfig) -> fl
     return total
 
 
-def episode(traj, example: dict, db_root, final_sql: str | None = None) -> dict:
-    """The input episode_rewards scores: one rollout.Trajectory of one dataset record.
-    final_sql: the answer to execute, when the caller rewrote it (default traj.final_sql)."""
-    import dataset
-    return {"db_path": dataset.abs_db_path(example, db_root), "gold_sql": example["gold_sql"],
-            "response": traj.text, "final_sql": traj.final_sql if final_sql is None else final_sql,
-            "finished": traj.finished, "steps": traj.steps}
-
-
-def conversation_pieces(tokenizer, env_cfg) -> tuple[str, ...]:
-    """The chat-template text that the conversation format (env.conversation = conversation)
-    inserts between an assistant turn and an observation (rollout.conversation_wrapper), for
-    format_ok's template_pieces; () in the single-message format, which inserts none."""
-    if getattr(env_cfg, "conversation", "single") != "conversation":
-        return ()
-    import rollout  # lazy: reward.py stays importable without the model side
-    return tuple(p for p in rollout.conversation_wrapper(tokenizer) if p)
-
-
 def episode_rewards(episodes: list[dict], cfg: RewardConfig, protocol: str = "tags",
                     template_pieces: tuple[str, ...] = ()) -> list[dict]:
     """episode: {db_path, gold_sql, response, final_sql, finished, steps} ->

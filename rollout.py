@@ -115,6 +115,15 @@ def conversation_wrapper(tokenizer) -> tuple[str, str, str]:
     return close, head[len(close):], s[o + len(O):]
 
 
+def conversation_pieces(tokenizer, env_cfg) -> tuple[str, ...]:
+    """The chat-template text that the conversation format (env.conversation = conversation)
+    inserts between an assistant turn and an observation (conversation_wrapper), which
+    reward.format_ok removes before its rules run; () in the single-message format, which inserts none."""
+    if getattr(env_cfg, "conversation", "single") != "conversation":
+        return ()
+    return tuple(p for p in conversation_wrapper(tokenizer) if p)
+
+
 def observation_ids(tokenizer, observation: str, conversation: str, last_id: int | None = None) -> list[int]:
     """The ids appended after a turn (tokenized once): the env's observation text as it is in the
     single-message format; in the conversation format the assistant turn closed (unless its last

@@ -125,7 +125,7 @@ def test_config_warm_start_writes_well_formed_episodes_in_its_protocol(path, ass
     scores = reward.episode_rewards([{"db_path": d, "gold_sql": r["gold_sql"], "response": e.text,
                                       "final_sql": e.final_sql, "finished": e.finished, "steps": e.steps}
                                      for d, r, e in zip(dbs, recs, eps)],
-                                    cfg.reward, cfg.env.protocol, reward.conversation_pieces(tok, cfg.env))
+                                    cfg.reward, cfg.env.protocol, rollout.conversation_pieces(tok, cfg.env))
     for r, e, s in zip(recs, eps, scores):
         assert s["format_ok"] and s["exec_match"] and s["reward"] >= cfg.reward.correct, (path.name, s, e.text)
         if r["lookup_sql"] and rollout_turns(cfg) > 1:  # the lookup's observation shows the code

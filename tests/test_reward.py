@@ -402,5 +402,5 @@ def test_conversation_pieces_only_in_conversation_format(monkeypatch):
     import types
     import rollout
     monkeypatch.setattr(rollout, "conversation_wrapper", lambda tok: ("<|im_end|>", "\nU\n", ""))
-    assert reward.conversation_pieces(None, types.SimpleNamespace(conversation="conversation")) == ("<|im_end|>", "\nU\n")
-    assert reward.conversation_pieces(None, types.SimpleNamespace(conversation="single")) == ()
+    assert rollout.conversation_pieces(None, types.SimpleNamespace(conversation="conversation")) == ("<|im_end|>", "\nU\n")
+    assert rollout.conversation_pieces(None, types.SimpleNamespace(conversation="single")) == ()
