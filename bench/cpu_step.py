@@ -57,7 +57,7 @@ import padded  # noqa: E402  (bench/padded.py: the dense mask)
 import gold  # noqa: E402
 import sft  # noqa: E402
 import tiny  # noqa: E402
-import train  # noqa: E402
+import policy_update  # noqa: E402
 from distributed import all_sum, close, each_micro_batch, setup_dist, shard  # noqa: E402
 from model import Transformer  # noqa: E402
 import rollout  # noqa: E402
@@ -143,9 +143,9 @@ class Arm:
         packed_attention.for_rows = DenseRows if self.dense else FOR_ROWS
         t0 = time.perf_counter()
         sums, grad_norms = {}, []  # the update as train.main runs it
-        logps = train.batch_logprobs(self.model, None, trajs, self.cfg, device)
-        for idx in train.mini_batches(len(trajs), self.cfg.grpo):
-            train.update(self.model, trajs, idx, adv, logps, self.cfg, world, device, sums)
+        logps = policy_update.batch_logprobs(self.model, None, trajs, self.cfg, device)
+        for idx in policy_update.mini_batches(len(trajs), self.cfg.grpo):
+            policy_update.update(self.model, trajs, idx, adv, logps, self.cfg, world, device, sums)
             grad_norms.append(optim.step_optimizer(self.model, self.opt, self.sch, self.cfg.optim))
         m = {k: v / max(w, 1e-9) for k, (v, w) in sums.items()}
         return time.perf_counter() - t0, {**m, "grad_norm": grad_norms[-1]}

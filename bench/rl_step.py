@@ -30,6 +30,7 @@ import grpo  # noqa: E402
 import optim  # noqa: E402
 import episodes  # noqa: E402
 import tiny  # noqa: E402
+import policy_update  # noqa: E402
 import train  # noqa: E402
 from model import Transformer  # noqa: E402
 from policy_sampler import PolicySampler  # noqa: E402
@@ -74,9 +75,9 @@ def main():
         trajs, rw, t_roll, t_rew = episodes.run_episodes(sampler, tok, batch, cfg, n=G, seed=step, greedy=False)
         adv = grpo.advantages(torch.tensor([r["reward"] for r in rw]), G, cfg.grpo.advantage, cfg.grpo.adv_eps)
         t1 = time.time()
-        logps = train.batch_logprobs(model, None, trajs, cfg, cpu)  # the update as train.main runs it
-        for idx in train.mini_batches(len(trajs), cfg.grpo):
-            train.update(model, trajs, idx, adv, logps, cfg, 1, cpu, {})
+        logps = policy_update.batch_logprobs(model, None, trajs, cfg, cpu)  # the update as train.main runs it
+        for idx in policy_update.mini_batches(len(trajs), cfg.grpo):
+            policy_update.update(model, trajs, idx, adv, logps, cfg, 1, cpu, {})
             optim.step_optimizer(model, opt, sch, cfg.optim)
         t_upd = time.time() - t1
         total = time.time() - t0

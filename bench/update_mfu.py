@@ -1,5 +1,5 @@
 """MFU of the real GRPO update at the 7B recipe's shape: what one micro-batch and one optimizer
-step of train.update cost, against the FLOPs of the useful work.
+step of policy_update.update cost, against the FLOPs of the useful work.
 
 The batch: units of one shared prompt and G responses (each response: a sampled turn, an
 observation that is context but not loss, a second sampled turn), packed by packing.plan into
@@ -9,7 +9,7 @@ fp32 masters sharded by distributed.shard (FSDP2 on a one-rank mesh), bf16 compu
 (fp32 on CPU, where bf16 matmuls are emulated and ~50x slower), activation checkpointing, the LM
 head only on the loss tokens (`loss_index`), configs/skyrl_sql_7b.yaml's loss and optimizer. A
 micro-batch is packing.forward + grpo.policy_loss + backward (packed_attention.for_rows: CUDA,
-FlexAttention with packed_attention.block_mask; CPU, per-sequence causal SDPA rows); a step is train.update over
+FlexAttention with packed_attention.block_mask; CPU, per-sequence causal SDPA rows); a step is policy_update.update over
 `--micro-batches` rows (forward/backward of each, clip, AdamW).
 
 FLOPs (per multiply-add: 2 in forward, 4 in backward; N = parameters without the input embedding
@@ -53,7 +53,7 @@ import grpo  # noqa: E402
 import optim  # noqa: E402
 import packed_attention  # noqa: E402
 import packing  # noqa: E402
-import train  # noqa: E402
+import policy_update  # noqa: E402
 from long_microbatch import PEAK_BF16_FLOPS, SHAPES  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
@@ -65,7 +65,7 @@ BYTES_PER_PARAM = 20  # fp32 master + fp32 grad + two AdamW moments + foreach Ad
 
 
 def unit(rng: random.Random, vocab: int, prompt: int, group: int, response: int, obs_frac: float) -> list:
-    """One prompt's G trajectories (train.update's fields): sampled turn, observation, sampled turn."""
+    """One prompt's G trajectories (policy_update.update's fields): sampled turn, observation, sampled turn."""
     prompt_ids = [rng.randrange(vocab) for _ in range(prompt)]
     obs = int(response * obs_frac)
     first = (response - obs) // 2
@@ -201,7 +201,7 @@ def causal_kernel():
 
 
 def microbatch_pass(model, mb, cfg, device, sync) -> float:
-    """Seconds of one micro-batch as train.update runs it: forward, policy loss, backward."""
+    """Seconds of one micro-batch as policy_update.update runs it: forward, policy loss, backward."""
     model.zero_grad(set_to_none=True)
     sync()
     start = time.perf_counter()
@@ -217,11 +217,11 @@ def microbatch_pass(model, mb, cfg, device, sync) -> float:
 
 
 def optimizer_step(model, opt, sched, trajs, adv, cfg, device):
-    """One optimizer step of the update as train.main runs it: train.update over every
+    """One optimizer step of the update as train.main runs it: policy_update.update over every
     micro-batch (one mini-batch), then optim.step_optimizer (clip + AdamW)."""
-    logps = train.batch_logprobs(model, None, trajs, cfg, device)
-    for idx in train.mini_batches(len(trajs), cfg.grpo):
-        train.update(model, trajs, idx, adv, logps, cfg, 1, device, {})
+    logps = policy_update.batch_logprobs(model, None, trajs, cfg, device)
+    for idx in policy_update.mini_batches(len(trajs), cfg.grpo):
+        policy_update.update(model, trajs, idx, adv, logps, cfg, 1, device, {})
         optim.step_optimizer(model, opt, sched, cfg.optim)
 
 
@@ -390,7 +390,7 @@ def main():
         ratio = statistics.median(m / c for m, c in zip(times["mask"], times["causal"]))
         print(f"  mask / causal time: {ratio:.2f} (median of interleaved pairs)")
 
-    # one optimizer step: train.update over all micro-batches (clip + AdamW included)
+    # one optimizer step: policy_update.update over all micro-batches (clip + AdamW included)
     adv = torch.tensor([(-1.0) ** i for i in range(len(trajs))])
     model.zero_grad(set_to_none=True)
     optimizer_step(model, opt, sched, trajs, adv, cfg, device)  # warm-up: AdamW states
@@ -405,7 +405,7 @@ def main():
         steps.append(time.perf_counter() - start)
     step_count = {k: sum(c[k] for c in counts) for k in ("useful", "hardware")}
     print(f"per optimizer step ({len(mbs)} micro-batches, median of {a.iters}):")
-    step_mfu, step_hw, step_flops = report("train.update", statistics.median(steps), step_count)
+    step_mfu, step_hw, step_flops = report("policy_update.update", statistics.median(steps), step_count)
 
     print(f"update_microbatch_s: {statistics.median(times['mask']):.3f}")
     print(f"update_hw_mfu_microbatch: {mb_hw:.4g}")

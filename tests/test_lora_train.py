@@ -1,4 +1,4 @@
-"""LoRA through the trainer: train.update on an FSDP2 LoRA model with merged-weight rollouts
+"""LoRA through the trainer: policy_update.update on an FSDP2 LoRA model with merged-weight rollouts
 moves only the adapters (the base stays bit-identical, AdamW holds nothing else), and its
 checkpoint's adapter/ loads in PEFT with our logits; model.lora_dropout changes the update's
 loss but not old-logprob scoring; a train.py LoRA run that learns, with dropout, resumes exactly
@@ -17,11 +17,12 @@ import torch
 import checkpoint
 import config as C
 import distributed
+import grpo
 import lora
 import optim
+import packing
 import rollout
 import tiny
-import train
 from conftest import grpo_update
 from model import Transformer
 from policy_sampler import PolicySampler
@@ -31,11 +32,11 @@ PEFT_MISSING = "peft not installed (pip install peft: a test-only dependency, se
 
 
 # -----------------------------------------------------------------------------
-# in process: train.update on a sharded LoRA model
+# in process: policy_update.update on a sharded LoRA model
 
 
 def test_lora_update_trains_only_adapters(tmp_path):
-    """A few GRPO updates through train.update (reward = fraction of sampled tokens in the lower
+    """A few GRPO updates through policy_update.update (reward = fraction of sampled tokens in the lower
     half of the vocabulary: dense, so every group has a signal), rollouts on the sampler's copy
     with the adapters merged (PolicySampler.refresh, as train.py): every adapter B moves, the base stays bit-identical,
     AdamW holds exactly the adapters, and the policy's logits move away from the base's.
@@ -70,7 +71,7 @@ def test_lora_update_trains_only_adapters(tmp_path):
         r = torch.tensor([sum(int(i < 150) for i, m in zip(t.ids, t.loss_mask) if m) / max(1, sum(t.loss_mask))
                           for t in trajs])
         model.train()
-        m = grpo_update(model, None, opt, sch, trajs, train.grpo.advantages(r, G, "group"), cfg)
+        m = grpo_update(model, None, opt, sch, trajs, grpo.advantages(r, G, "group"), cfg)
         assert m["grad_norms"][0] > 0
     assert all(torch.equal(p.to_local(), base_before[n]) for n, p in model.named_parameters() if not p.requires_grad)
     assert all(not torch.equal(p.to_local(), adapters_before[n]) for n, p in adapters.items() if ".lora_B." in n)
@@ -98,7 +99,7 @@ def test_lora_update_trains_only_adapters(tmp_path):
 
 
 def dropout_update(tmp_path, dropout: float, monkeypatch):
-    """One rollout batch (fixed trajectories and advantages) through train.update with 2
+    """One rollout batch (fixed trajectories and advantages) through policy_update.update with 2
     mini-batches on a sharded LoRA model with model.lora_dropout = dropout, seeded. Returns
     (the adapters after, [(grad enabled, model.training) at every packing.forward call])."""
     if not (tmp_path / "config.json").exists():
@@ -120,12 +121,12 @@ def dropout_update(tmp_path, dropout: float, monkeypatch):
     sampler.refresh(model)
     trajs = rollout.generate(sampler.model, [prompt] * 8, cfg.sampling, [], tok, seed=0, eos=[])
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5] * 2)
-    modes, real_forward = [], train.packing.forward
+    modes, real_forward = [], packing.forward
 
     def recording_forward(model_, *a, **kw):
         modes.append((torch.is_grad_enabled(), model_.training))
         return real_forward(model_, *a, **kw)
-    monkeypatch.setattr(train.packing, "forward", recording_forward)
+    monkeypatch.setattr(packing, "forward", recording_forward)
     torch.manual_seed(1)
     m = grpo_update(model, None, opt, sch, trajs, adv, cfg)
     monkeypatch.undo()

@@ -1,5 +1,5 @@
 """Shared-prompt packing (packing.py) against the padded per-sequence path it replaces: the same
-per-token logprobs and entropies, and through train.update the same loss and gradients for every
+per-token logprobs and entropies, and through policy_update.update the same loss and gradients for every
 loss aggregation, ppo_epochs × mini_batches, kl_beta > 0, activation checkpointing, multi-turn
 trajectories (observation tokens masked), groups that fall back to the plain layout. ~60 s.
 
@@ -118,7 +118,7 @@ def test_fp32_lm_head_matches_fp32_model_in_bf16():
 
 
 # -----------------------------------------------------------------------------
-# train.update: packed gradients equal the padded per-sequence reference
+# policy_update.update: packed gradients equal the padded per-sequence reference
 
 
 class Capture:

@@ -41,7 +41,7 @@ def tiny_model(tmp_path_factory):
 
 def test_grpo_update_raises_reward_on_trivial_task(tiny_model):
     """Reward = fraction of sampled tokens equal to one target token. A handful of GRPO updates
-    through train.update (the real loss, masks and normaliser) must raise it clearly."""
+    through policy_update.update (the real loss, masks and normaliser) must raise it clearly."""
     path, tok = tiny_model
     torch.manual_seed(0)
     model = Transformer.from_pretrained(path)
