@@ -90,6 +90,7 @@ class EnvConfig:
     #   engine steps after it was submitted (the loop waits for it there; a reproducible schedule); async: rows
     #   rejoin as soon as their results arrive and the loop waits only when nothing else can run (a slow query
     #   stalls only its own rows; each row samples the same tokens, the engine's batches depend on timing)
+    tool_threads: int = 4  # async: tool batches stepped at once (a slow one does not hold the next in line)
     tool_timeout_s: float = 5.0
     max_result_rows: int = 50  # rows shown when the table is too long
     fetch_rows: int = 10000  # rows fetched at most (memory bound)
@@ -125,6 +126,15 @@ class RewardConfig:
     # drifted to 19% of held-out episodes without an answer by step 32; at -1, 0.0%
     no_answer: float = 0.0
     keep_distinct: bool = False  # spider mode: compare with DISTINCT kept (the evaluator's --keep_distinct)
+    # dense shaping (reward.dense_shaping), per step; sql_env's values
+    dense_step: float = -0.005  # every step's cost
+    dense_repeat: float = -0.01  # an action repeated (same kind and argument): earns nothing else
+    dense_exec_ok: float = 0.02  # a new action that ran
+    dense_new_info: float = 0.01  # ... plus this, up to dense_new_info_cap over the episode
+    dense_new_info_cap: float = 0.10
+    dense_progress: float = 0.15  # x the gain in Jaccard(QUERY rows, gold rows) over the best so far
+    dense_step_min: float = -0.2  # each step's shaping clamped to [dense_step_min, dense_step_max]
+    dense_step_max: float = 0.5
 
 
 @dataclass
@@ -138,6 +148,7 @@ class SamplingConfig:
     block_size: int = 16  # tokens per KV cache block (the unit of paging and prompt sharing)
     max_decode_rows: int = 0  # most sequences decoding at once; 0 = as many as the KV budget holds
     cuda_graphs: bool = True  # CUDA: replay the decode forward from captured graphs (ignored on CPU)
+    prefill_tokens: int = 16384  # padded tokens per prefill forward: bounds its activations
     # how a decode step reads the paged KV cache (paged_attention.py): flex = FlexAttention over the
     # blocks in place, gather = copy each row's blocks out then SDPA (the reference); auto = flex on CUDA
     paged_attention: str = choice("auto", "auto", "gather", "flex")
@@ -195,7 +206,7 @@ class OptimConfig:
     micro_batch_tokens: int = 16384  # tokens per forward/backward micro-batch
     # packed rows of at most this many tokens, several per micro-batch (0: one row per micro-batch).
     # 0 is best on both devices: CUDA's FlexAttention skips masked blocks, and CPU attention runs per
-    # sequence (segment_attention.py), never over a row's T² pairs
+    # sequence (packed_attention.py), never over a row's T² pairs
     pack_row_tokens: int = 0
 
 
@@ -220,6 +231,7 @@ class SFTConfig:
     # recovery to build on. A condition on the EX stop: with stop_at_train_ex 0 nothing stops.
     stop_at_train_recovery: float = 0.0
     stop_check_every: int = 10
+    stop_check_questions: int = 128  # training questions the stop check evaluates (spread over the set)
     # no check before this step: checks cost a greedy eval each, and early ones, before the model
     # closes its tags, run every turn to max_new_tokens (on the toy: ~20 s of a 2-minute warm start
     # before step 200; the earliest stop measured, 3 seeds on 2 machines, came at step 240). The
@@ -274,6 +286,20 @@ class Config:
 
 class ConfigError(ValueError):
     pass
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # what model.lora_targets may name
+
+
+def lora_targets(model_cfg) -> tuple[str, ...]:
+    """model.lora_targets parsed, in LORA_TARGETS order; ConfigError naming the key for an unknown
+    name or none (lora.LoraSpec and config_checks both read it through this)."""
+    names = [t.strip() for t in str(model_cfg.lora_targets).split(",") if t.strip()]
+    bad = [t for t in names if t not in LORA_TARGETS]
+    if bad or not names:
+        raise ConfigError(f"model.lora_targets: {bad or 'empty'} not in {list(LORA_TARGETS)} "
+                          f"(comma-separated, e.g. 'q,v' or 'q,k,v,o,gate,up,down')")
+    return tuple(t for t in LORA_TARGETS if t in names)
 
 
 def _fields(dc) -> dict[str, dataclasses.Field]:

@@ -45,6 +45,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "env.step_budget": (">= 1", ""),
     "env.tool_overlap_steps": (">= 0", ""),
     "env.tool_timeout_s": ("> 0", ""),
+    "env.tool_threads": (">= 1", ""),
     "env.max_result_rows": (">= 1", ""),
     "env.fetch_rows": (">= 1", ""),
     "env.max_obs_chars": (">= 1", ""),
@@ -56,6 +57,14 @@ RANGES: dict[str, tuple[str, str]] = {
     "reward.wrong": ("any", ""),
     "reward.format_error": ("any", ""),
     "reward.no_answer": ("any", ""),
+    "reward.dense_step": ("any", ""),
+    "reward.dense_repeat": ("any", ""),
+    "reward.dense_exec_ok": ("any", ""),
+    "reward.dense_new_info": ("any", ""),
+    "reward.dense_new_info_cap": ("any", ""),
+    "reward.dense_progress": ("any", ""),
+    "reward.dense_step_min": ("any", ""),
+    "reward.dense_step_max": ("any", ""),
     "sampling.temperature": ("> 0", "GRPO samples at it and the trainer divides logits by it; greedy "
                                     "decoding is sampling.eval_temperature 0"),
     "sampling.top_p": ("(0, 1]", ""),
@@ -64,6 +73,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "sampling.max_context": (">= 2", ""),
     "sampling.kv_budget_tokens": (">= 1", ""),
     "sampling.block_size": (">= 1", ""),
+    "sampling.prefill_tokens": (">= 1", ""),
     "sampling.max_decode_rows": (">= 0", "0 = as many as the KV budget holds"),
     "sampling.decode_steps_per_sync": (">= 0", "0 = by device"),
     "sampling.eval_temperature": (">= 0", "0 = greedy"),
@@ -101,6 +111,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "sft.stop_at_train_recovery": ("[0, 1]", "a fraction; 0 = off"),
     "sft.stop_check_every": (">= 1", ""),
     "sft.stop_check_from": (">= 0", ""),
+    "sft.stop_check_questions": (">= 1", ""),
     "train.steps": (">= 0", ""),
     "train.seed": (">= 0", ""),
     "train.log_every": (">= 1", ""),
@@ -176,6 +187,9 @@ def problems(cfg: C.Config, world: int = 1) -> list[str]:
                    f"env.actions_max_result_rows ({e.actions_max_result_rows}): rows are shown from those fetched")
     if cfg.reward.correct <= cfg.reward.wrong:
         out.append(f"reward.correct ({cfg.reward.correct}) must be above reward.wrong ({cfg.reward.wrong})")
+    if cfg.reward.dense_step_min > cfg.reward.dense_step_max:
+        out.append(f"reward.dense_step_min ({cfg.reward.dense_step_min}) must not be above reward.dense_step_max "
+                   f"({cfg.reward.dense_step_max})")
     if m.build_tiny and m.tiny_heads >= 1 and m.tiny_kv_heads >= 1:
         if m.tiny_hidden_size % m.tiny_heads or (m.tiny_hidden_size // m.tiny_heads) % 2:
             out.append(f"model.tiny_hidden_size={m.tiny_hidden_size} must be model.tiny_heads ({m.tiny_heads}) x an "
@@ -183,10 +197,9 @@ def problems(cfg: C.Config, world: int = 1) -> list[str]:
         if m.tiny_heads % m.tiny_kv_heads:
             out.append(f"model.tiny_heads={m.tiny_heads} must be a multiple of model.tiny_kv_heads ({m.tiny_kv_heads})")
     if m.lora_rank > 0:
-        import lora
         try:
-            lora.LoraSpec.from_config(m)
-        except ValueError as err:
+            C.lora_targets(m)
+        except C.ConfigError as err:
             out.append(str(err))
     if cfg.wandb.mode != "disabled" and not cfg.wandb.project.strip():
         out.append(f"wandb.project must not be empty with wandb.mode={cfg.wandb.mode}")

@@ -18,13 +18,14 @@ stripped, cut at its first TAB, " value " -> " 1 ". Other modes use the stripped
     torchrun --standalone --nproc_per_node=2 eval.py generate ... [--samples K]   # split over ranks
       (torchrun reads `--n` as an ambiguous abbreviation of its own options: write --samples there)
 
-`generate`: multi-turn episodes with rollout.rollout (the training code), greedy unless
---temperature > 0 (default: the config's sampling.eval_temperature). The settings (env / sampling /
-data / reward, train.threads) are a checkpoint's own config.yaml when --model is a checkpoint
-(ckpt_<step>/ or its hf/) and --config is not given, else --config's, else the defaults; flags and
---group.key=value override them; --data and --db-root default to data.eval_path and data.db_root.
-Nothing is downloaded: a --model that is not a model folder is an error at once. Examples whose
-gold query fails on its database are skipped and counted (as train.py's evals skip them). Writes in --out:
+`generate`: multi-turn episodes, then their rewards, as training runs them (policy_sampler.py,
+episodes.rewards), greedy unless --temperature > 0 (default: the config's
+sampling.eval_temperature). The settings (env / sampling / data / reward, train.threads) are a
+checkpoint's own config.yaml when --model is a checkpoint (ckpt_<step>/ or its hf/) and --config
+is not given, else --config's, else the defaults; flags and --group.key=value override them;
+--data and --db-root default to data.eval_path and data.db_root. Nothing is downloaded: a
+--model that is not a model folder is an error at once. Examples whose gold query fails on its
+database are skipped and counted (as train.py's evals skip them). Writes in --out:
 predictions.sql (one SQL per line in data order, on one line; a failed episode, i.e. no valid
 solution, writes PLACEHOLDER, which always scores wrong; with --n > 1 the majority vote by
 execution result), gold.sql (`SQL<TAB>db_id`, for `score`), traces.jsonl (one line per episode:
@@ -59,6 +60,7 @@ import sys
 import time
 from pathlib import Path
 
+import env
 import reward
 import runguard
 import sandbox
@@ -137,7 +139,7 @@ def one_line(sql: str) -> str:
 
 
 def decoding_label(temperature: float, top_p: float, n: int) -> str:
-    """How predictions were decoded; scores move by up to 10 points with it (GUIDE §3)."""
+    """How predictions were decoded: greedy, sampling or majority vote move scores by up to 10 points."""
     if temperature == 0:
         return "greedy"
     s = f"sampling T={temperature:g}" + (f" top_p={top_p:g}" if top_p < 1 else "")
@@ -185,24 +187,24 @@ def turns_of(t, tokenizer) -> list[dict]:
     return out
 
 
-def generate_chunk(model, tok, exs: list[dict], first: int, cfg, n: int, seed: int, greedy: bool) -> list[dict]:
+def generate_chunk(sampler, tok, exs: list[dict], first: int, cfg, n: int, seed: int, greedy: bool) -> list[dict]:
     """Episodes of exs (global indices first, first+1, ...) -> one record per episode, example-major.
-    The seed depends on the chunk only, so any split over ranks gives the same episodes."""
-    import rollout
-    import distributed
-    trajs = rollout.rollout(model, tok, exs, cfg.env, cfg.sampling, cfg.data, cfg.data.db_root,
-                            n=n, seed=seed, greedy=greedy, dtype=distributed.compute_dtype(cfg))
+    Rollout then reward as training runs them (sampler.rollout, episodes.rewards), the answer
+    scored as its predictions.sql line. The seed depends on the chunk only, so any split over
+    ranks gives the same episodes."""
+    import dataset
+    import episodes
+    trajs = sampler.rollout(tok, exs, cfg.env, cfg.data, cfg.data.db_root, n=n, seed=seed, greedy=greedy)
     reps = [ex for ex in exs for _ in range(n)]  # rollout is example-major too
     lines = [one_line(t.final_sql) if t.finished else "" for t in trajs]
     spider = cfg.reward.mode == "spider"  # score the line as `score` will read it
-    eps = [reward.episode(t, ex, cfg.data.db_root, spider_score.official_pred_text(line) if spider else line)
-           for t, ex, line in zip(trajs, reps, lines)]
-    rws = reward.episode_rewards(eps, cfg.reward, cfg.env.protocol, reward.conversation_pieces(tok, cfg.env))
+    answers = [spider_score.official_pred_text(line) if spider else line for line in lines]
+    rws = episodes.rewards(trajs, exs, tok, cfg, n=n, final_sqls=answers)
     keys = [None] * len(trajs)
     if n > 1:  # majority vote needs each answer's result
-        todo = [i for i, (r, e) in enumerate(zip(rws, eps)) if r["format_ok"] and e["final_sql"].strip()]
-        res = sandbox.run_sql_batch([(eps[i]["db_path"], eps[i]["final_sql"]) for i in todo],
-                                timeout_s=cfg.reward.timeout_s, max_rows=reward.REWARD_MAX_ROWS)
+        todo = [i for i, (r, a) in enumerate(zip(rws, answers)) if r["format_ok"] and a.strip()]
+        res = sandbox.run_sql_batch([(dataset.abs_db_path(reps[i], cfg.data.db_root), answers[i]) for i in todo],
+                                    timeout_s=cfg.reward.timeout_s, max_rows=reward.REWARD_MAX_ROWS)
         for i, r in zip(todo, res):
             keys[i] = result_key(r.rows, cfg.reward.mode) if r.ok else None
     recs = []
@@ -215,15 +217,8 @@ def generate_chunk(model, tok, exs: list[dict], first: int, cfg, n: int, seed: i
                      "error": rw["error"] or None, "stop_reason": t.stop_reason, "finished": t.finished,
                      "num_turns": t.num_turns, "num_tool_calls": t.num_tool_calls,
                      "response_tokens": int(sum(t.loss_mask)), "turns": turns_of(t, tok),
-                     "first_query_bad": first_query_bad(t.steps), "_key": keys[k]})
+                     "first_query_bad": env.first_query_bad(t.steps), "_key": keys[k]})
     return recs
-
-
-def first_query_bad(steps: list[dict]) -> bool:
-    """Did the episode's first SQL tool call (`<sql>` or the actions protocol's QUERY; DESCRIBE and
-    SAMPLE are not queries) fail, time out or return no rows? steps: env.step_record dicts."""
-    first = next((s for s in steps if s["kind"] in ("sql", "query")), None)
-    return first is not None and (not first["ok"] or first["n_rows"] == 0)
 
 
 def summarise_generation(recs: list[dict], n: int, label: str) -> tuple[dict, list[str]]:
@@ -333,7 +328,7 @@ def cmd_generate(args) -> None:
     import dataset
     import distributed
     import malloc_tuning
-    from model import Transformer
+    from policy_sampler import PolicySampler
     data = args.data or cfg.data.eval_path
     T = cfg.sampling.eval_temperature if args.temperature is None else args.temperature
     if args.n > 1 and T == 0:
@@ -367,7 +362,8 @@ def cmd_generate(args) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     # a full copy per rank in the compute dtype, no FSDP2: inference only (no fp32 masters needed)
     # and ranks decode different chunks, which sharded weights (lock-step all-gathers) would forbid
-    model = Transformer.from_pretrained(model_dir, dtype=distributed.compute_dtype(cfg), device=device)
+    sampler = PolicySampler.from_pretrained(model_dir, cfg.sampling, dtype=distributed.compute_dtype(cfg),
+                                            device=device)
     say(f"[{label}] {model_dir} on {data}: {len(exs)} examples x {args.n}, {world} process(es), chunks of "
         f"{args.chunk} (a progress line after each)")
     # fixed chunks dealt round-robin to ranks: the same rollout calls whatever the world size
@@ -375,7 +371,7 @@ def cmd_generate(args) -> None:
     mine, recs = list(enumerate(starts))[rank::world], []
     t_gen = time.time()
     for done, (c, s) in enumerate(mine, 1):
-        recs += generate_chunk(model, tok, exs[s:s + args.chunk], s, cfg, args.n,
+        recs += generate_chunk(sampler, tok, exs[s:s + args.chunk], s, cfg, args.n,
                                args.seed * 1_000_003 + c, greedy)
         n_ep = max(1, len(recs))
         approx = min(len(exs), sum(min(args.chunk, len(exs) - s) for _, s in mine[:done]) * world)

@@ -7,6 +7,7 @@ Tests: .venv/bin/pytest tests/test_sft.py
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import shutil
@@ -18,11 +19,14 @@ import torch.distributed as dist
 
 import checkpoint
 import dataset
+import episodes
 import gold
 import optim
 import packing
-from distributed import all_sum, compute_dtype, shard
+import rollout
+from distributed import all_sum, compute_dtype, each_micro_batch, shard
 from model import Transformer
+from policy_sampler import PolicySampler
 
 # -----------------------------------------------------------------------------
 # training
@@ -59,15 +63,16 @@ def sft_loss_sum(model, seqs, temperature: float = 1.0, row_tokens: int = 0):
 # the warm start: the SFT loop, and the full-model base of a LoRA run
 
 
-def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate):
+def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log):
     """LoRA runs: SFT the full model, then write it to <out_dir>/base (HF folder), the frozen
     base the adapters train on. Written to a temporary folder and renamed (a kill leaves none).
-    evaluate: episodes.evaluate, as run_sft takes it."""
+    The full model's evals sample on a sampler of its own, freed with it."""
     full = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32, device=device)
     full.set_activation_checkpointing(cfg.model.activation_checkpointing)
     full.fp32_lm_head = cfg.model.fp32_lm_head
     full = shard(full, compute_dtype(cfg), cfg.model.fsdp_unit)
-    run_sft(full, tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate)
+    sampler = PolicySampler(full, cfg.sampling, dtype=compute_dtype(cfg))
+    run_sft(full, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log)
     msd = checkpoint.full_model_state(full)
     if rank == 0:
         final, tmp = Path(checkpoint.lora_base_path(cfg)), Path(cfg.train.out_dir) / ".tmp_base"
@@ -78,21 +83,24 @@ def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, evalu
         log.print(f"warm start: full-model SFT written to {final} (the LoRA base)")
     if dist.is_initialized():
         dist.barrier()
-    del full, msd
+    del full, msd, sampler
 
 
-def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate):
+def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log) -> bool:
     """Warm start on gold trajectories (loss on model-side tokens only, token-mean over the batch).
-    evaluate: episodes.evaluate(model, tok, exs, cfg, rank, world, device, log, step, prefix) -> metrics,
-    for sft.eval_every and the sft.stop_at_train_ex check; log: train.Log."""
+    sampler: the model's PolicySampler, refreshed with the current weights before the evals
+    (sft.eval_every, episodes.evaluate) and the sft.stop_at_train_ex check; log: run_log.Log.
+    Returns whether the sampler holds the final weights (the run stopped right after a check)."""
     s = cfg.sft
     t0 = time.time()
-    prompts = gold.render_prompts(tok, train_ex, cfg.data, cfg.env.protocol, cfg.data.db_root)
+    prompts = [rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in train_ex]
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]
     data = gold.build_dataset(train_ex, prompts, tok, cfg, db_paths)
     opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
-    # the stop check's questions: 128 spread over the training set (it is ordered by database)
-    probe = train_ex[::max(1, len(train_ex) // 128)][:128] if s.stop_at_train_ex > 0 else []
+    # the stop check's questions: spread over the training set (it is ordered by database)
+    n = s.stop_check_questions
+    probe = train_ex[::max(1, len(train_ex) // n)][:n] if s.stop_at_train_ex > 0 else []
+    synced = False  # the sampler holds this step's weights
     was_training = model.training
     model.train()  # dropout on for the loss (the evals inside run in eval mode: the engine sets it)
     for i, idx in enumerate(batches(len(data), s.batch_size, s.steps, cfg.train.seed, rank, world)):
@@ -101,22 +109,26 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evalua
         opt.zero_grad(set_to_none=True)
         tot = 0.0
         mbs = packing.plan(seqs, None, cfg.optim.micro_batch_tokens, cfg.optim.pack_row_tokens)
-        for mb in packing.each_micro_batch(model, mbs, device, backward=True):
+        for mb in each_micro_batch(model, mbs, device, backward=True):
             loss_sum = sft_loss_sum(model, [seqs[j] for j in mb.members], row_tokens=cfg.optim.pack_row_tokens)
             (loss_sum / n_tok * world).backward()
             tot += loss_sum.detach().item()
-        stats = {}
-        optim.step_optimizer(model, opt, sch, cfg, stats)
+        grad_norm = optim.step_optimizer(model, opt, sch, cfg.optim)
+        synced = synced and not math.isfinite(grad_norm)  # a step moved the weights
         loss = all_sum([tot], device)[0] / n_tok
         if (i + 1) % max(1, s.steps // 20) == 0 or i + 1 == s.steps:
-            log.metrics(i + 1, {"sft/loss": loss, "sft/grad_norm": stats["_grad_norm"][0]})
-            log.print(f"sft {i + 1}/{s.steps} | loss {loss:.4f} | gnorm {stats['_grad_norm'][0]:.2f} | "
-                      f"{time.time() - t0:.0f}s")
-        if s.eval_every and (i + 1) % s.eval_every == 0 and i + 1 < s.steps:
-            evaluate(model, tok, eval_ex, cfg, rank, world, device, log, i + 1, prefix="sft/eval")
-        if probe and (i + 1) % max(1, s.stop_check_every) == 0 and s.stop_check_from <= i + 1 < s.steps:
+            log.metrics(i + 1, {"sft/loss": loss, "sft/grad_norm": grad_norm})
+            log.print(f"sft {i + 1}/{s.steps} | loss {loss:.4f} | gnorm {grad_norm:.2f} | {time.time() - t0:.0f}s")
+        run_eval = s.eval_every and (i + 1) % s.eval_every == 0 and i + 1 < s.steps
+        run_check = probe and (i + 1) % max(1, s.stop_check_every) == 0 and s.stop_check_from <= i + 1 < s.steps
+        if (run_eval or run_check) and not synced:
+            sampler.refresh(model)  # weight sync: the evals sample this step's weights
+            synced = True
+        if run_eval:
+            episodes.evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, i + 1, prefix="sft/eval")
+        if run_check:
             # all-reduced: every rank sees the same EX and stops at the same step
-            m = evaluate(model, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")
+            m = episodes.evaluate(sampler, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")
             ex, recovery = m["sft/train/ex"], m.get("sft/train/recovery_rate", 1.0)  # absent: none failed
             if ex >= s.stop_at_train_ex and recovery >= s.stop_at_train_recovery:
                 log.metrics(i + 1, {"sft/stopped_at": i + 1})
@@ -127,3 +139,4 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evalua
                 break
     model.train(was_training)
     del opt, sch
+    return synced

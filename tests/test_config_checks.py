@@ -86,6 +86,7 @@ def test_prompts_per_step_divisible_by_the_world_size():
     (["--grpo.rollout_is_low=5", "--grpo.rollout_is_high=2"], "rollout_is_low .* below"),
     (["--grpo.dual_clip_c=0.5"], "dual_clip_c must be 0 .* or > 1"),
     (["--reward.correct=0", "--reward.wrong=0"], "reward.correct .* above reward.wrong"),
+    (["--reward.dense_step_min=0.6"], "reward.dense_step_min .* not be above reward.dense_step_max"),
     (["--model.tiny_hidden_size=100", "--model.tiny_heads=3"], "tiny_hidden_size=100 must be"),
     (["--model.tiny_heads=4", "--model.tiny_kv_heads=3"], "tiny_heads=4 must be a multiple"),
     (["--env.fetch_rows=10", "--env.max_result_rows=50"], "env.fetch_rows=10 must be at least"),

@@ -215,7 +215,7 @@ def answers_for(ex):
 def stub_rollout(plan):
     """plan[example id] = kinds of its samples (None = no solution). Episodes are example-major."""
     def fake(model, tok, exs, env_cfg, sampling_cfg, data_cfg, db_root, *, n=1, seed=0, greedy=False, dtype=None,
-             engine=None):
+             logits_hook=None, stats=None, engine=None):
         out = []
         for ex in exs:
             for kind in plan[ex["id"]][:n]:

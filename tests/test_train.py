@@ -20,10 +20,11 @@ import episodes
 import gold
 import optim
 import rollout
+import run_log
 import sft
 import tiny
 import train
-from conftest import ROOT, torchrun_env
+from conftest import ROOT, grpo_update, torchrun_env
 from model import Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -40,7 +41,7 @@ def tiny_model(tmp_path_factory):
 
 def test_grpo_update_raises_reward_on_trivial_task(tiny_model):
     """Reward = fraction of sampled tokens equal to one target token. A handful of GRPO updates
-    through train.update (the real loss, masks and normaliser) must raise it clearly."""
+    through policy_update.update (the real loss, masks and normaliser) must raise it clearly."""
     path, tok = tiny_model
     torch.manual_seed(0)
     model = Transformer.from_pretrained(path)
@@ -65,7 +66,7 @@ def test_grpo_update_raises_reward_on_trivial_task(tiny_model):
         trajs, r = sample(step)
         adv = train.grpo.advantages(r, G, "group")
         model.train()
-        train.update(model, None, opt, sch, trajs, adv, cfg, 1, torch.device("cpu"))
+        grpo_update(model, None, opt, sch, trajs, adv, cfg)
     _, r1 = sample(1000)
     assert r1.mean() > r0.mean() + 0.25, (float(r0.mean()), float(r1.mean()))
 
@@ -79,7 +80,7 @@ def test_sft_gold_trajectory_masks_model_side(tmp_path, tiny_model):
     ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=1)[0]
     for conv in ("single", "conversation"):
         cfg = C.load_config([f"--env.conversation={conv}", "--data.prompt_template=compact"])
-        p = gold.render_prompts(tok, [ex], cfg.data, "tags", str(tmp_path))[0]
+        p = rollout.render_prompt(tok, ex, cfg.data, "tags", str(tmp_path))
         ids, mask = gold.gold_trajectory(ex, p, tok, cfg, dataset.abs_db_path(ex, str(tmp_path)))
         assert ids[:len(p)] == p and not any(mask[:len(p)])
         model_text = tok.decode([i for i, m in zip(ids, mask) if m])
@@ -106,20 +107,34 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
     checks, steps = [], []
     curve = {10: 0.1, 20: 0.5, 30: 0.85}  # the stubbed training EX at each check
 
-    def fake_evaluate(model, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
-        checks.append((step, prefix, len(exs)))
+    def fake_evaluate(sampler, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
+        checks.append((step, prefix, len(exs), sampler.refreshes))
         return {f"{prefix}/ex": curve[step]}
     real_step = optim.step_optimizer
     monkeypatch.setattr(optim, "step_optimizer", lambda *a: steps.append(1) or real_step(*a))
-    log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
+    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
     model = Transformer.from_pretrained(path)
-    sft.run_sft(model, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log, fake_evaluate)
+    sampler = CountingSampler()
+    synced = sft.run_sft(model, sampler, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log)
     if threshold == 0.0:
-        assert checks == [] and len(steps) == 40
+        assert checks == [] and len(steps) == 40 and sampler.refreshes == 0 and not synced
     else:
         expected = [10, 20] if stops_at else [10, 20, 30]  # none at step 40: the run ends there anyway
-        assert [c[0] for c in checks] == expected and {c[1:] for c in checks} == {("sft/train", 128)}
-        assert len(steps) == (stops_at or 40)
+        assert [c[0] for c in checks] == expected and {c[1:3] for c in checks} == {("sft/train", 128)}
+        # one weight sync before each check (the weights moved since the last one), none otherwise
+        assert [c[3] for c in checks] == list(range(1, len(expected) + 1)) == list(range(1, sampler.refreshes + 1))
+        assert len(steps) == (stops_at or 40) and synced == bool(stops_at)  # stopped on a check: in sync
+
+
+class CountingSampler:
+    """Stands in for policy_sampler.PolicySampler where evaluate is stubbed: counts weight syncs."""
+
+    def __init__(self):
+        self.refreshes = 0
+
+    def refresh(self, model):
+        self.refreshes += 1
 
 
 @pytest.mark.parametrize("curve, stops_at, check_from", [
@@ -127,7 +142,7 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
     ({10: (0.1, 0.0), 20: (0.5, None), 30: (0.6, 0.0)}, 20, 0),  # no first query failed: nothing to recover
     ({10: (0.5, 0.2), 20: (0.6, 0.2), 30: (0.7, 0.2)}, None, 0),  # never recovers enough: the cap
     ({10: (0.5, 0.5), 20: (0.5, 0.5), 30: (0.6, 0.3)}, 30, 25)])  # no check before stop_check_from
-def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, curve, stops_at, check_from):
+def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, monkeypatch, curve, stops_at, check_from):
     """sft.stop_at_train_recovery: the stop also needs the check's recovery rate (first query
     empty or failed, episode still right) at or above it; sft.stop_check_from: the first check."""
     path, tok = tiny_model
@@ -142,13 +157,14 @@ def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, curve, stops
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=300)
     checks = []
 
-    def fake_evaluate(model, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
+    def fake_evaluate(sampler, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
         checks.append(step)
         ex, recovery = curve[step]
         return {f"{prefix}/ex": ex, **({f"{prefix}/recovery_rate": recovery} if recovery is not None else {})}
-    log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
-    sft.run_sft(Transformer.from_pretrained(path), tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log,
-                fake_evaluate)
+    monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
+    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
+                torch.device("cpu"), log)
     assert checks == [c for c in range(10, (stops_at or 30) + 1, 10) if c >= check_from]
     stops = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "sft/stopped_at" in line]
     assert [m["sft/stopped_at"] for m in stops] == ([stops_at] if stops_at else [])
@@ -168,9 +184,9 @@ def test_sft_loss_runs_in_training_mode(tmp_path, tiny_model, monkeypatch):
     modes, real_loss = [], sft.sft_loss_sum
     monkeypatch.setattr(sft, "sft_loss_sum", lambda model, *a, **kw: modes.append(model.training) or
                         real_loss(model, *a, **kw))
-    log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
     model = Transformer.from_pretrained(path)
-    sft.run_sft(model, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log, episodes.evaluate)
+    sft.run_sft(model, CountingSampler(), tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log)
     assert modes and all(modes) and not model.training
 
 
@@ -418,7 +434,7 @@ def test_log_rewinds_to_a_checkpoint_and_sets_an_earlier_attempt_aside(tmp_path)
     """Resume: what was logged after the checkpoint is cut (the steps run again, logged once);
     a fresh start moves an earlier attempt's lines aside (a run stopped in its warm start had them)."""
     cfg = C.load_config([f"--train.out_dir={tmp_path}"])
-    log = train.Log(cfg, 0)
+    log = run_log.Log(cfg, 0)
     log.metrics(1, {"train/reward": 0.5})
     (tmp_path / "samples.jsonl").write_text('{"step": 1}\n')
     sizes = log.sizes()
