@@ -95,6 +95,7 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evalua
     probe = train_ex[::max(1, len(train_ex) // 128)][:128] if s.stop_at_train_ex > 0 else []
     was_training = model.training
     model.train()  # dropout on for the loss (the evals inside run in eval mode: the engine sets it)
+    check_every = s.stop_check_every  # stop_check_every_near once a check reaches stop_near_ex
     for i, idx in enumerate(batches(len(data), s.batch_size, s.steps, cfg.train.seed, rank, world)):
         seqs = [data[j] for j in idx]
         n_tok = all_sum([sum(sum(m[1:]) for _, m in seqs)], device)[0]
@@ -114,10 +115,12 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evalua
                       f"{time.time() - t0:.0f}s")
         if s.eval_every and (i + 1) % s.eval_every == 0 and i + 1 < s.steps:
             evaluate(model, tok, eval_ex, cfg, rank, world, device, log, i + 1, prefix="sft/eval")
-        if probe and (i + 1) % max(1, s.stop_check_every) == 0 and s.stop_check_from <= i + 1 < s.steps:
+        if probe and (i + 1) % max(1, check_every) == 0 and s.stop_check_from <= i + 1 < s.steps:
             # all-reduced: every rank sees the same EX and stops at the same step
             m = evaluate(model, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")
             ex, recovery = m["sft/train/ex"], m.get("sft/train/recovery_rate", 1.0)  # absent: none failed
+            if s.stop_near_ex > 0 and ex >= s.stop_near_ex and s.stop_check_every_near > 0:
+                check_every = s.stop_check_every_near
             if ex >= s.stop_at_train_ex and recovery >= s.stop_at_train_recovery:
                 log.metrics(i + 1, {"sft/stopped_at": i + 1})
                 log.print(f"sft: stopped at step {i + 1} of {s.steps}: training EX {100 * ex:.1f}% >= "
