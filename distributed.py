@@ -203,7 +203,7 @@ class PeakMemory:
     GPU run with memory_estimate(). Every phase() is a no-op off CUDA (peaks stays empty)."""
 
     def __init__(self, device):
-        self.device, self.peaks = device, {}
+        self.device, self.peaks, self.starts = device, {}, {}
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -211,27 +211,40 @@ class PeakMemory:
             yield
             return
         torch.cuda.reset_peak_memory_stats(self.device)
+        start = torch.cuda.memory_allocated(self.device) / 1024 ** 3
         try:
             yield
         finally:
             gb = torch.cuda.max_memory_allocated(self.device) / 1024 ** 3
             self.peaks[name] = max(self.peaks.get(name, 0.0), gb)
+            self.starts[name] = max(self.starts.get(name, 0.0), start)
 
     def metrics(self) -> dict:
-        """{"mem/<phase>_peak_gb": GB} since the last call (then cleared)."""
+        """{"mem/<phase>_peak_gb": GB, "mem/<phase>_start_gb": GB allocated when it began} since the
+        last call (then cleared): the start is what stays resident, the peak what the phase adds."""
         out = {f"mem/{k}_peak_gb": v for k, v in self.peaks.items()}
-        self.peaks = {}
+        out.update({f"mem/{k}_start_gb": v for k, v in self.starts.items()})
+        self.peaks, self.starts = {}, {}
         return out
 
 
 def memory_estimate(model: Transformer, cfg: C.Config, world: int) -> dict:
-    """GB per device, for the FSDP2 layout used on every world size (one rank included): fp32
-    master weights, fp32 gradients and two fp32 AdamW moments, each sharded over `world`; the full
-    weights gathered in the compute dtype during a rollout; the KV cache; one micro-batch's
-    activations (compute dtype). Frozen parameters (a LoRA base) count once, in the compute
-    dtype, with no gradients or AdamW moments (shard() casts them)."""
+    """GB per device of one rank's phases, for the FSDP2 layout used on every world size (one rank
+    included). Call it before shard() (it reads the blocks) and, for a LoRA run, after lora.apply.
+
+    Parts: params (fp32 masters sharded over `world`; frozen parameters, a LoRA base, once in the
+    compute dtype), grads and adam (fp32, trainable only, sharded), rollout_weights (the sampler's
+    full copy in the compute dtype, adapters merged), kv_cache (the sampler's pool), gathered_unit
+    (the largest FSDP2 unit all-gathered in the compute dtype: the whole model with
+    model.fsdp_unit "model"; with "block" the root, which stays gathered from forward to backward,
+    plus one block), unit_grads (that unit's trainable gradients unsharded before the
+    reduce-scatter: compute dtype, then fp32), activations (one micro-batch).
+    Phases: resident (between phases: gradients are freed after every optimizer step), rollout
+    (resident + one unit gathered by sampler.refresh), update (resident + grads + a gathered unit
+    + its unsharded gradients + activations); total = the larger peak."""
     n = param_count(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lora_params = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
     a = model.config
     gb = 1024 ** 3
     unsharded_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
@@ -241,9 +254,24 @@ def memory_estimate(model: Transformer, cfg: C.Config, world: int) -> dict:
     tok, per_block = cfg.optim.micro_batch_tokens, (4 * a.hidden_size + 3 * a.intermediate_size) * unsharded_bytes
     acts = tok * (a.hidden_size * unsharded_bytes * a.num_hidden_layers + per_block) \
         if cfg.model.activation_checkpointing else tok * per_block * a.num_hidden_layers
+    # the largest unit: (all params, trainable params) gathered at once
+    if cfg.model.fsdp_unit == "model":
+        unit, unit_trainable = n, trainable
+    else:
+        block = list(model.layers[0].parameters())
+        blocks_n = len(model.layers) * sum(p.numel() for p in block)
+        blocks_trainable = len(model.layers) * sum(p.numel() for p in block if p.requires_grad)
+        unit = n - blocks_n + blocks_n // len(model.layers)
+        unit_trainable = trainable - blocks_trainable + blocks_trainable // len(model.layers)
+    grad_bytes = unsharded_bytes + 4 if unsharded_bytes != 4 else 4  # compute-dtype grads, fp32 for the reduce
     weights = 4 * trainable + unsharded_bytes * (n - trainable)
     est = {"params": weights / world / gb, "grads": 4 * trainable / world / gb, "adam": 8 * trainable / world / gb,
-           "rollout_weights": unsharded_bytes * n / gb, "kv_cache": cfg.sampling.kv_budget_tokens * kv_per_tok / gb,
+           "rollout_weights": unsharded_bytes * (n - lora_params) / gb,
+           "kv_cache": cfg.sampling.kv_budget_tokens * kv_per_tok / gb,
+           "gathered_unit": unsharded_bytes * unit / gb, "unit_grads": grad_bytes * unit_trainable / gb,
            "activations": acts / gb}
-    est["total"] = sum(est.values())
+    est["resident"] = est["params"] + est["adam"] + est["rollout_weights"] + est["kv_cache"]
+    est["rollout"] = est["resident"] + est["gathered_unit"]
+    est["update"] = est["resident"] + est["grads"] + est["gathered_unit"] + est["unit_grads"] + est["activations"]
+    est["total"] = max(est["rollout"], est["update"])
     return est

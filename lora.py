@@ -389,11 +389,7 @@ def main(argv=None):
     print(f"LoRA rank {spec.rank}, alpha {spec.alpha:g}, targets {','.join(spec.targets)}")
     for world, full in full_by_world.items():
         lo = distributed.memory_estimate(model, cfg, world)
-        # LoRA's weight states in place of the full fine-tune's; the rest (rollout weights, KV
-        # cache, activations) as the full fine-tune's, the adapters' rollout copy left out
-        lora_total = full["total"] - full["params"] - full["grads"] - full["adam"] \
-            + lo["params"] + lo["grads"] + lo["adam"]
-        print(f"world {world}: full fine-tune {full['total']:.1f} GB/device, LoRA {lora_total:.1f} GB/device "
+        print(f"world {world}: full fine-tune {full['total']:.1f} GB/device, LoRA {lo['total']:.1f} GB/device "
               f"(weights+grads+adam {lo['params'] + lo['grads'] + lo['adam']:.1f} vs "
               f"{full['params'] + full['grads'] + full['adam']:.1f}; trainable {trainable / 1e6:.1f}M "
               f"of {total / 1e9:.2f}B)")

@@ -1,6 +1,6 @@
 """The sampler's paged KV cache and attention over it.
 
-PagedKVCache holds every layer's K/V in fixed-size blocks shared by all sequences (block_manager.py
+PagedKVCache holds every layer's K/V in fixed-size blocks shared by all sequences (engine/block_manager.py
 decides who holds which block; a sequence's block table lists its blocks in order). One forward
 (PagedBatch) writes its tokens' K/V into their slots, then attends over each row's blocks. A
 decode step (one token per row) reads them one of two ways, chosen by `PagedKVCache.attention`

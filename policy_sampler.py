@@ -27,9 +27,9 @@ import torch
 
 import lora
 from distributed import fsdp_modules
-from engine import Engine
+from engine.engine import Engine
 from model import Transformer
-from sampling import StopChecker
+from engine.sampling import StopChecker
 
 
 class PolicySampler:

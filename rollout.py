@@ -9,14 +9,14 @@ An episode: the prompt (chat template) is sampled until a stop string, EOS or th
 the env parses the turn and runs its SQL; the observation's tokens are appended (loss mask 0) and
 the next turn samples after them; `_end_reason` alone decides when an episode ends. Token in,
 token out: ids are never re-tokenized, the loss mask is 1 exactly on sampled tokens, logprobs are
-the sampler's (log softmax of logits / temperature). The engine (engine.py: paged KV cache,
+the sampler's (log softmax of logits / temperature). The engine (engine/engine.py: paged KV cache,
 continuous batching) keeps every row's cache between turns. All episodes start in one engine.add,
 so the n samples of an example are prefilled once and share the prompt's KV blocks (an
 observation extends only its own row; the shared, partly filled last block is copied on first
 write). Rows that ended a turn wait for their tool calls in background threads while the others
 keep decoding (ToolCalls; env.tool_wait: fixed = collected a fixed number of engine steps later,
 async = as soon as they arrive). Randomness is counter-based per (seed, trajectory, position)
-(sampling.py): batching, sharing, evictions and timing never change a sample.
+(engine/sampling.py): batching, sharing, evictions and timing never change a sample.
 
 Tests: .venv/bin/pytest tests/test_rollout.py tests/test_engine.py tests/test_rollout_share.py
 Benchmarks: bench/sampler.py, bench/multiturn.py, bench/rollout_scale.py
@@ -30,9 +30,9 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import dataset
-from engine import Engine
-from sampling import StopChecker, row_key
-from scheduler import Sequence
+from engine.engine import Engine
+from engine.sampling import StopChecker, row_key
+from engine.scheduler import Sequence
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Trajectory:
     """One episode. Its token state is its engine Sequence (`seq`, the one object the engine and
     this episode share): ids, loss_mask and logprobs read it. The other fields are the episode's."""
     prompt_ids: list[int]
-    seq: Sequence = field(repr=False)  # ids, loss_mask, logprobs, turn_start, ... (scheduler.py)
+    seq: Sequence = field(repr=False)  # ids, loss_mask, logprobs, turn_start, ... (engine/scheduler.py)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each turn in ids
     num_turns: int = 0
     num_tool_calls: int = 0

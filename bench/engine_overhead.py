@@ -35,10 +35,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import SamplingConfig  # noqa: E402
-from engine import Engine  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
-from sampling import StopChecker, row_key  # noqa: E402
-from scheduler import Sequence  # noqa: E402
+from engine.sampling import StopChecker, row_key  # noqa: E402
+from engine.scheduler import Sequence  # noqa: E402
 
 PROMPT = 16
 VOCAB = 512
@@ -101,7 +101,7 @@ def decode_ms(model, rows: int, new: int, clock: ForwardClock | None = None) -> 
 def sampling_ms(pairs: int, rows: int, vocab: int = 151936) -> tuple[float, float, float]:
     """(prefilter ms, full sort ms, median sort / prefilter) for one top-p 0.95 sampling call;
     None in a checkout whose sampler has no prefilter."""
-    import sampling
+    from engine import sampling
     if not hasattr(sampling, "PREFILTER"):
         return None
     gen = torch.Generator().manual_seed(0)

@@ -1,21 +1,32 @@
 #!/usr/bin/env bash
-# Every GPU figure of bench/RESULTS.md in one command: ~10 min on one H100, random weights in real
-# shapes, nothing downloaded. Each part runs under its own time limit, a failing part does not stop
-# the others, and the headline lines (`name: value`) of all parts are repeated at the end.
+# GPU figures in short calls. A loan of the GPU machine is 15 minutes in all (its start included),
+# at most 10 per command, so the parts come in presets sized for one call each:
 #
-#   bash bench/gpu.sh [OUT_DIR]          # OUT_DIR (default runs/gpu) gets one log per part
-#   PARTS="tests grpo_steps" bash bench/gpu.sh   # only the parts named (default: all)
+#   PARTS=first bash bench/gpu.sh [OUT_DIR]    # ~8 min of limits: the run users will do
+#   PARTS=second bash bench/gpu.sh [OUT_DIR]   # 3 min: the suite, rollout vs generate, a decode profile
+#   PARTS="tests grpo_run" bash bench/gpu.sh   # any parts by name; PARTS=all: every part (~45 min)
+#   SMOKE=1 PARTS=first bash bench/gpu.sh DIR  # CPU dry run, tiny shapes (tests/test_gpu_preset.py)
 #
-# Parts: (1) the test suite with CUDA visible; (2) attention kernels at our shapes; (3) the sampler
-# against transformers `generate`, Qwen2.5-0.5B shape, bf16, batch 64 and 256; (4) the rollout-scale
-# benchmark at the SkyRL ratio; (5) the update step (packing, MFU, peak memory); (6) ten GRPO steps
-# of a 0.5B-bodied model on the toy data, multi-turn, one process: time split, tokens/s, peak memory
-# per phase against memory_estimate; (6b) the same with LoRA r=32 (lora_steps); (7) one 32k-token micro-batch of a Qwen2.5-7B-shaped model
-# with activation checkpointing; (8) the real update at the 7B shape: 32k-token packed rows with
-# shared prompts, FlexAttention block mask, FSDP2, loss_index, MFU per micro-batch and per step,
-# against a dense causal kernel on the same tokens (update_mfu; the blocks that fit in memory);
-# (9) decode attention over the paged KV cache, FlexAttention in place vs gather + SDPA, B=64/256,
-# 0.5B shape, graphs replayed: us per layer and % of the HBM roofline (paged_attention).
+# Each part runs under its own time limit (they add up to the preset's), a failing part does not
+# stop the others, its log is OUT_DIR/NAME.txt, and the headline lines (`name: value`) of every
+# part are repeated at the end (OUT_DIR/summary.txt). Random weights in real shapes, nothing
+# downloaded: the machine has no network.
+#
+# first: (a) grpo_run: train.py under torchrun, one GPU, configs/tiny.yaml's toy data with a
+#   Qwen2.5-0.5B body (24 layers, 896 wide, 14/2 heads, the toy's 1k vocabulary: ~0.36B params),
+#   bf16, CUDA graphs, FlexAttention paged decode, three turns: a short SFT warm start (the policy
+#   learns the protocol), 3 GRPO steps; grpo_resume: the same command resumed for a 4th step;
+#   rollout / reward / update seconds, tokens/s and peak GB per phase against memory_estimate
+#   (bench/run_summary.py). (b) decode: PolicySampler (the path train.py samples on; graphs
+#   captured before the timing) at B=64 and 256, real 0.5B shape and vocabulary, flex and gather:
+#   tokens/s and % of the HBM roofline (bench/policy_decode.py). (c) lora_run: 2 GRPO steps of
+#   LoRA r=32 on all projections, from the grpo run's checkpoint.
+# second: tests (the suite with CUDA visible, verbose: a part cut by its limit still names its
+#   failures), rollout_vs_generate (the grpo run's rollout phase against transformers generate on
+#   the same turn shapes, bench/rollout_vs_generate.py), decode_profile (one B=256 rollout of the
+#   decode benchmark under torch.profiler: device against host time, launches per step).
+# all (each as in bench/RESULTS.md): tests attention paged_attention sampler sampler_graphs
+#   rollout_scale train_step long_microbatch update_mfu, and both presets.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu}
@@ -24,13 +35,23 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
+SMOKE=${SMOKE:-0}
+RUNS=${RUNS:-runs}  # where the runs and the model go (the toy data: configs/tiny.yaml's runs/toy)
 
-PARTS=${PARTS:-tests attention paged_attention sampler sampler_graphs rollout_scale train_step grpo_steps lora_steps long_microbatch update_mfu}
+FIRST="grpo_run grpo_resume decode lora_run"
+SECOND="tests rollout_vs_generate decode_profile"
+ALL="attention paged_attention sampler sampler_graphs rollout_scale train_step long_microbatch update_mfu $FIRST $SECOND"
+PARTS=${PARTS:-first}
+PARTS=${PARTS//first/$FIRST}
+PARTS=${PARTS//second/$SECOND}
+PARTS=${PARTS//all/$ALL}
+
+ran() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }  # ran NAME: NAME is in PARTS
 
 part() {  # part NAME SECONDS COMMAND...: run under a time limit, log to $OUT/NAME.txt, keep going
     local name=$1 limit=$2
     shift 2
-    case " $PARTS " in *" $name "*) ;; *) return 0 ;; esac
+    ran "$name" || return 0
     echo "=== $name (limit ${limit}s): $*" | tee -a "$SUMMARY"
     local start=$SECONDS
     timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
@@ -40,13 +61,82 @@ part() {  # part NAME SECONDS COMMAND...: run under a time limit, log to $OUT/NA
     grep -E '^[a-z0-9_]+: [-0-9.eE+na]+$' "$OUT/$name.txt" >>"$SUMMARY"
 }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$SUMMARY"
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$SUMMARY"
+fi
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$SUMMARY"
+git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$SUMMARY"
+
+# -----------------------------------------------------------------------------
+# the first preset: the run users will do
+
+# the 0.5B body on the toy set; SMOKE: a tiny body on the CPU, the same flags otherwise
+if [ "$SMOKE" = 1 ]; then
+    BODY="--model.tiny_hidden_size=64 --model.tiny_layers=2 --model.tiny_heads=4 --model.tiny_kv_heads=2 --model.tiny_intermediate_size=128"
+    SIZES="--sft.steps=2 --sft.batch_size=4 --grpo.prompts_per_step=2 --grpo.group_size=2 --data.max_eval_examples=2 \
+        --sampling.max_new_tokens=8 --sampling.kv_budget_tokens=20000"
+    DECODE="--smoke"
+    STEPS=(1 2 1)
+    LIMITS=(120 60 60 60)
+else
+    BODY="--model.tiny_hidden_size=896 --model.tiny_layers=24 --model.tiny_heads=14 --model.tiny_kv_heads=2 --model.tiny_intermediate_size=4864"
+    SIZES="--sft.steps=40 --grpo.prompts_per_step=64 --data.max_eval_examples=64"
+    DECODE="--device cuda --shape qwen2.5-0.5b --batches 64,256"
+    STEPS=(3 4 2)
+    LIMITS=(200 70 100 80)
+fi
+RUN_ARGS="configs/tiny.yaml --model.path=$RUNS/gpu/model05b $BODY --model.dtype=bfloat16 \
+    --model.activation_checkpointing=true $SIZES --sft.lr=3e-4 --sft.stop_at_train_ex=0 --optim.lr=1e-5 \
+    --grpo.dynamic_sampling=false --sampling.max_context=2048 --sampling.cuda_graphs=true \
+    --sampling.paged_attention=auto --env.max_turns=3 --train.eval_every=0 --train.sample_every=0 \
+    --train.threads=0 --train.out_dir=$RUNS/gpu_grpo"
+GPU_RUN="train.py $RUN_ARGS"
+TORCHRUN="$PY -m torch.distributed.run --standalone --nproc_per_node=1"
+# shellcheck disable=SC2086
+part grpo_run "${LIMITS[0]}" $TORCHRUN $GPU_RUN --train.steps="${STEPS[0]}" --train.resume=false
+if ran grpo_run && [ -f $RUNS/gpu_grpo/metrics.jsonl ]; then
+    $PY bench/run_summary.py $RUNS/gpu_grpo "$OUT/grpo_run.txt" --prefix grpo | tee -a "$SUMMARY"
+fi
+# shellcheck disable=SC2086
+part grpo_resume "${LIMITS[1]}" $TORCHRUN $GPU_RUN --train.steps="${STEPS[1]}" --train.resume=true
+if ran grpo_resume && [ -f $RUNS/gpu_grpo/metrics.jsonl ]; then
+    $PY bench/run_summary.py $RUNS/gpu_grpo "$OUT/grpo_resume.txt" --prefix resumed | tee -a "$SUMMARY"
+    cp $RUNS/gpu_grpo/metrics.jsonl "$OUT/grpo_metrics.jsonl"
+fi
+# shellcheck disable=SC2086
+part decode "${LIMITS[2]}" $PY bench/policy_decode.py $DECODE
+# LoRA r=32 on the seven projections from the grpo run's last whole checkpoint (the warm model)
+LORA_BASE=$(ls -d $RUNS/gpu_grpo/ckpt_*/hf 2>/dev/null | tail -n 1)
+# shellcheck disable=SC2086
+part lora_run "${LIMITS[3]}" $TORCHRUN $GPU_RUN --model.path="${LORA_BASE:-$RUNS/gpu/model05b}" \
+    --model.build_tiny=false --sft.steps=0 --model.lora_rank=32 --model.lora_alpha=64 --optim.lr=1e-4 \
+    --train.steps="${STEPS[2]}" --train.resume=false --train.out_dir=$RUNS/gpu_lora
+if ran lora_run && [ -f $RUNS/gpu_lora/metrics.jsonl ]; then
+    $PY bench/run_summary.py $RUNS/gpu_lora "$OUT/lora_run.txt" --prefix lora | tee -a "$SUMMARY"
+fi
+
+# the grpo run's rollout phase against transformers generate on the same turn shapes
+RVG_MODEL=$(ls -d $RUNS/gpu_grpo/ckpt_*/hf 2>/dev/null | tail -n 1)
+RVG="--model.path=${RVG_MODEL:-$RUNS/gpu/model05b}"
+[ "$SMOKE" = 1 ] && RVG="$RVG --smoke"
+# shellcheck disable=SC2086
+part rollout_vs_generate 60 $PY bench/rollout_vs_generate.py $RUN_ARGS $RVG
+# where a B=256 decode step's time goes
+if [ "$SMOKE" = 1 ]; then PROFILE="--smoke"; else PROFILE="--device cuda --shape qwen2.5-0.5b --batches 256 --paths flex --repeats 1"; fi
+# shellcheck disable=SC2086
+part decode_profile 45 $PY bench/policy_decode.py $PROFILE --profile
+
+# -----------------------------------------------------------------------------
+# the second preset and the rest (bench/RESULTS.md has each part's figures)
 
 # (1) tests: with xdist when present; distributed tests that need one GPU per rank skip themselves
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
-part tests 140 $PY -m pytest -q -p no:cacheprovider $XDIST tests
+if [ "$SMOKE" = 1 ]; then  # the dry run only collects: it runs inside the suite itself
+    part tests 100 $PY -m pytest --collect-only -q -p no:cacheprovider tests
+else
+    part tests 100 $PY -m pytest -v --tb=line -rfE -p no:cacheprovider $XDIST tests
+fi
 
 # (2) attention kernels
 part attention 150 $PY bench/attention_probe.py
@@ -56,7 +146,7 @@ part paged_attention 200 $PY bench/paged_attention.py --device cuda --batches 64
 
 # (3) sampler vs transformers generate
 part sampler 200 $PY bench/sampler.py --device cuda --shape qwen2.5-0.5b --batches 64,256 --pairs 2
-part sampler_graphs 200 $PY bench/sampler.py --device cuda --shape qwen2.5-0.5b --batches 64,256 --pairs 2 --cuda-graphs
+part sampler_graphs 120 $PY bench/sampler.py --device cuda --shape qwen2.5-0.5b --batches 64,256 --pairs 1 --cuda-graphs
 
 # (4) rollout scale (paged KV engine vs worst-case reservation)
 if [ -f bench/rollout_scale.py ]; then
@@ -65,35 +155,6 @@ fi
 
 # (5) the update step
 part train_step 150 $PY bench/train_step.py --device cuda --shape qwen2.5-0.5b
-
-# (6) ten GRPO steps: configs/tiny.yaml's toy data and 1k-token BPE vocabulary with a Qwen2.5-0.5B
-# body (24 layers, 896 wide, 14/2 heads): ~0.36B parameters, bf16 compute. The SFT warm start
-# gives the policy the protocol; dynamic sampling is off so every step updates on all episodes.
-part grpo_steps 250 $PY train.py configs/tiny.yaml --model.path=runs/gpu/model05b --model.dtype=bfloat16 \
-    --model.tiny_hidden_size=896 --model.tiny_layers=24 --model.tiny_heads=14 --model.tiny_kv_heads=2 \
-    --model.tiny_intermediate_size=4864 --model.activation_checkpointing=true \
-    --sft.steps=60 --sft.lr=3e-4 --optim.lr=1e-5 --grpo.dynamic_sampling=false --grpo.prompts_per_step=64 \
-    --sampling.max_context=2048 --sampling.cuda_graphs=true --env.max_turns=3 --data.max_eval_examples=64 --train.steps=10 --train.eval_every=0 \
-    --train.sample_every=0 --train.threads=0 --train.resume=false --train.out_dir=runs/gpu_grpo_run
-[ -f runs/gpu_grpo_run/metrics.jsonl ] && cp runs/gpu_grpo_run/metrics.jsonl "$OUT/grpo_metrics.jsonl"
-
-# (6b) the same model with LoRA r=32 on all seven projections (the 7B LoRA recipe's adapter): the
-# SFT warm start trains the full model into the run's base/, then 3 GRPO steps train only the
-# adapters (frozen bf16 base, merged-weight rollouts); headlines: step time, peak GB per phase.
-part lora_steps 300 $PY train.py configs/tiny.yaml --model.path=runs/gpu/model05b --model.dtype=bfloat16 \
-    --model.tiny_hidden_size=896 --model.tiny_layers=24 --model.tiny_heads=14 --model.tiny_kv_heads=2 \
-    --model.tiny_intermediate_size=4864 --model.activation_checkpointing=true \
-    --model.lora_rank=32 --model.lora_alpha=64 --sft.steps=60 --sft.lr=3e-4 --optim.lr=1e-4 \
-    --grpo.dynamic_sampling=false --grpo.prompts_per_step=64 --sampling.max_context=2048 --env.max_turns=3 \
-    --data.max_eval_examples=64 --train.steps=3 --train.eval_every=0 --train.sample_every=0 --train.threads=0 \
-    --train.resume=false --train.out_dir=runs/gpu_lora_run
-[ -f runs/gpu_lora_run/metrics.jsonl ] && $PY -c '
-import json, sys
-m = [r for r in map(json.loads, open(sys.argv[1])) if "time/step" in r]
-print("lora_step_s:", round(sum(r["time/step"] for r in m[1:]) / max(1, len(m) - 1), 2))  # after the first
-for k in ("rollout", "update"):
-    print(f"lora_{k}_peak_gb:", round(max(r.get(f"mem/{k}_peak_gb", 0) for r in m), 2))
-' runs/gpu_lora_run/metrics.jsonl | tee -a "$SUMMARY"
 
 # (7) one 32k-token micro-batch, 7B shape
 part long_microbatch 150 $PY bench/long_microbatch.py --shape qwen2.5-7b --tokens 32768

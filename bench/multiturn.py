@@ -1,7 +1,7 @@
 """Multi-turn overhead of the sampler: 5 turns of 25 tokens with 40-token observations vs one
 turn of 125 tokens, same batch, same random model as bench/sampler.py.
 
-Runs the sampler's engine (engine.py, the code path rollout() uses: a turn ends, the row keeps its
+Runs the sampler's engine (engine/engine.py, the code path rollout() uses: a turn ends, the row keeps its
 KV blocks, its observation is prefilled beside the others' decode) with a stub environment that
 hands back 40 fixed token ids after each of the first 4 turns, so the ratio measures the sampler,
 not SQLite.
@@ -30,12 +30,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tiny  # noqa: E402
 from config import SamplingConfig  # noqa: E402
-from engine import Engine  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from model import Transformer  # noqa: E402
 from paged_attention import PagedBatch, PagedKVCache  # noqa: E402
 from sampler import SHAPES  # noqa: E402  (bench/sampler.py: the script's folder is on sys.path)
-from sampling import StopChecker, row_key  # noqa: E402
-from scheduler import Sequence  # noqa: E402
+from engine.sampling import StopChecker, row_key  # noqa: E402
+from engine.scheduler import Sequence  # noqa: E402
 
 SHAPE = SHAPES["bench6m"]
 

@@ -22,7 +22,7 @@ import tiny
 from config import DataConfig, EnvConfig, SamplingConfig
 from model import Transformer
 from rollout import conversation_wrapper, eos_ids, generate, render_prompt, rollout
-from sampling import StopChecker, row_key, sample_next
+from engine.sampling import StopChecker, row_key, sample_next
 
 torch.set_num_threads(2)
 STOPS = ["</sql>", "</solution>"]
@@ -364,11 +364,11 @@ def test_decode_windows_match_reference(biased, window):
 def test_decode_window_by_device(biased):
     """decode_steps_per_sync 0 picks the window by device (windows save syncs on CUDA; on CPU they
     only hold finished rows); a set value wins; a negative one is refused."""
-    from engine import window_steps
+    from engine.engine import window_steps
     assert window_steps(scfg(decode_steps_per_sync=0), torch.device("cpu")) == 1
     assert window_steps(scfg(decode_steps_per_sync=0), torch.device("cuda")) == 8
     assert window_steps(scfg(decode_steps_per_sync=3), torch.device("cpu")) == 3
-    from engine import Engine
+    from engine.engine import Engine
     with pytest.raises(ValueError, match="decode_steps_per_sync"):
         Engine(biased[1], scfg(decode_steps_per_sync=-1), StopChecker(None, [], []), worst_case=[64])
 
@@ -403,8 +403,8 @@ def test_decode_window_reservation_equals_growing_every_row():
     """Scheduler._decode_needs (one pass, only rows that take blocks are grown) reserves exactly
     what growing every running row with BlockManager.grow reserves: the same count (summed
     needed(), an upper bound), the same tables, the same copy-on-write pairs."""
-    from block_manager import BlockManager
-    from scheduler import Scheduler, Sequence
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler, Sequence
 
     rnd = random.Random(0)
     for trial in range(200):

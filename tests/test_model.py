@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from block_manager import BlockManager
+from engine.block_manager import BlockManager
 from model import Transformer
 from paged_attention import PagedBatch, PagedKVCache
 

@@ -18,9 +18,9 @@ import torch
 import paged_attention as pa
 import tiny
 from config import DataConfig, EnvConfig, SamplingConfig
-from engine import Engine
+from engine.engine import Engine
 from rollout import generate, rollout
-from sampling import StopChecker
+from engine.sampling import StopChecker
 
 torch.set_num_threads(2)
 TOL = 1e-5

@@ -14,11 +14,11 @@ import prompts
 import tiny
 from conftest import ROOT
 from config import DataConfig, EnvConfig, SamplingConfig
-from block_manager import BlockManager
+from engine.block_manager import BlockManager
 from model import Transformer
 from paged_attention import PagedBatch, PagedKVCache
 from rollout import conversation_wrapper, generate, observation_ids, rollout
-from sampling import StopChecker, mix_py, row_key, sample_next, uniforms
+from engine.sampling import StopChecker, mix_py, row_key, sample_next, uniforms
 
 torch.set_num_threads(2)
 STOPS = ["</sql>", "</solution>"]

@@ -19,12 +19,12 @@ import torch
 
 import env
 import rollout as rollout_module
-import scheduler as scheduler_module
+from engine import scheduler as scheduler_module
 import tiny
-from block_manager import BlockManager
+from engine.block_manager import BlockManager
 from config import DataConfig, EnvConfig, SamplingConfig
 from rollout import ToolCalls, render_prompt, rollout
-from scheduler import Scheduler, Sequence
+from engine.scheduler import Scheduler, Sequence
 
 torch.set_num_threads(2)
 DATA = DataConfig(prompt_template="compact")

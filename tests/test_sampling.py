@@ -1,4 +1,4 @@
-"""sampling.py against references: top-p without a full sort picks the tokens a full sort picks,
+"""engine/sampling.py against references: top-p without a full sort picks the tokens a full sort picks,
 and the device's turn-end candidates miss no stop string.
 
     .venv/bin/pytest tests/test_sampling.py -q
@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-import sampling
+from engine import sampling
 import tiny
-from sampling import StopChecker, row_key, sample_next
+from engine.sampling import StopChecker, row_key, sample_next
 
 STOPS = ["</sql>", "</solution>"]
 

@@ -363,7 +363,13 @@ def test_memory_estimate_of_the_7b_recipe_fits_80gb():
     assert 7.5e9 < sum(p.numel() for p in m.parameters()) < 7.7e9
     cfg = C.load_config([str(ROOT / "configs" / "skyrl_sql_7b.yaml")])
     est = distributed.memory_estimate(m, cfg, world=8)
-    assert abs(est["total"] - sum(v for k, v in est.items() if k != "total")) < 1e-6
+    parts = est["params"] + est["adam"] + est["rollout_weights"] + est["kv_cache"]
+    assert abs(est["resident"] - parts) < 1e-9
+    assert abs(est["update"] - (parts + est["grads"] + est["gathered_unit"] + est["unit_grads"]
+                                + est["activations"])) < 1e-9
+    assert est["total"] == max(est["rollout"], est["update"])
+    # block units: the root (untied embeddings + lm_head, 2 x 152064 x 3584) and one block gathered
+    assert abs(est["gathered_unit"] * 1024 ** 3 / 2 - (2 * 152064 * 3584 + 3584 + 233_057_792)) < 1e6
     assert 40 < est["total"] < 80, est
     assert abs(est["adam"] - 8 * 7.6156e9 / 8 / 1024 ** 3) < 0.05  # two fp32 moments, sharded over 8
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from paged_attention import PagedBatch, PagedKVCache
-from sampling import sample_next
-from scheduler import Batch, Sequence
+from engine.sampling import sample_next
+from engine.scheduler import Batch, Sequence
 
 
 @dataclass
@@ -54,7 +54,7 @@ class ModelRunner:
         self.reset(candidates, greedy=greedy, logits_hook=logits_hook)
         self.graphs = None
         if cfg.cuda_graphs and self.device.type == "cuda":
-            from cuda_graphs import DecodeGraphs
+            from engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(model, cache, max_blocks=-(-cfg.max_context // cache.block_size))
 
     def reset(self, candidates: torch.Tensor, *, greedy: bool = False, logits_hook=None) -> None:

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from block_manager import BlockManager
+from engine.block_manager import BlockManager
 from paged_attention import PagedKVCache
-from model_runner import DecodeRows, ModelRunner  # noqa: F401  (DecodeRows: re-exported for tests)
-from sampling import StopChecker
-from scheduler import Scheduler, Sequence
+from engine.model_runner import DecodeRows, ModelRunner  # noqa: F401  (DecodeRows: re-exported for tests)
+from engine.sampling import StopChecker
+from engine.scheduler import Scheduler, Sequence
 
 PREFILL_TOKENS = 16384  # padded tokens per prefill forward (bounds its attention mask and activations)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from block_manager import BlockManager
+from engine.block_manager import BlockManager
 
 
 @dataclass(eq=False)

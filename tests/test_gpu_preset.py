@@ -1,0 +1,30 @@
+"""The GPU presets of bench/gpu.sh, dry-run on the CPU: a GPU loan is 15 minutes in all, so a typo
+in a flag or a script must not be found on the GPU machine. SMOKE=1 runs every part of both
+presets with a tiny model on the toy set (the CUDA-only settings are ignored on CPU; the suite part
+only collects) and every part must exit 0 and print its headline figures.
+"""
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_both_presets_run_on_cpu(tmp_path):
+    out = tmp_path / "gpu"
+    env = {**os.environ, "SMOKE": "1", "PARTS": "first second", "RUNS": str(tmp_path / "runs"),
+           "PYTHON": str(ROOT / ".venv" / "bin" / "python")}
+    if not Path(env["PYTHON"]).exists():
+        env["PYTHON"] = "python3"
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    summary = (out / "summary.txt").read_text()
+    exits = dict(re.findall(r"^--- (\w+): exit (\d+)", summary, re.M))
+    parts = ["grpo_run", "grpo_resume", "decode", "lora_run", "rollout_vs_generate", "decode_profile", "tests"]
+    assert sorted(exits) == sorted(parts), (exits, proc.stdout[-3000:])
+    failed = {name: (out / f"{name}.txt").read_text()[-2000:] for name, rc in exits.items() if rc != "0"}
+    assert not failed, failed
+    for headline in ("grpo_steps_logged: 1", "resumed_last_step: 2", "resumed_repeated_steps: 0", "lora_steps_logged: 1",
+                     "decode_tok_s_b4_gather:", "rollout_speedup_vs_generate:", "launches_per_decode_step:"):
+        assert headline in summary, (headline, summary)
