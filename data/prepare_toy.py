@@ -14,16 +14,16 @@ unseen identifiers. Gold SQL is short and canonical (uppercase keywords, single 
 Two kinds of question, mixed (~74% need the tool):
   direct     every literal of the gold appears verbatim in the question (the model copies it);
   tool       the question names a category as people say it ("Paris", "pending") but the database
-             stores a code ('Paris47', 'pending73', the digits drawn per database: toy_schemas.py)
+             stores a code ('Paris4k', 'pending7c': a digit and a letter drawn per database, toy_schemas.py)
              beside the code's twin ('Paris_N', 'pending_S': the word followed by letters), and the
              prompt shows no values. The record's `lookup_sql` (SELECT DISTINCT city FROM customers
              WHERE city LIKE 'Paris%') returns the code and its twin; the code is the one whose word
-             is followed by digits. Reading that observation is what makes the final query right:
+             is followed by a digit. Reading that observation is what makes the final query right:
              no database stores a code another one stores for the word, so a memorised code is
              wrong held-out and seldom right on train; and an answer that matches the word with a
              LIKE pattern ('%Paris%') matches the twin's rows too, so it is wrong (wildcard_shares:
              no tool question is answered by any pattern on the word alone).
-  refine     a tool question on the column a database stores behind a prefix ('st_pending73',
+  refine     a tool question on the column a database stores behind a prefix ('st_pending7c',
              toy_schemas.code_prefix; one of the two category columns of every database): the
              natural lookup (LIKE 'pending%', the record's `first_lookup_sql`) returns no rows,
              and only a broader one (LIKE '%pending%', its `lookup_sql`) shows the code and its
@@ -55,10 +55,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: dataset.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # toy_schemas.py
 from dataset import make_record, write_jsonl  # noqa: E402
-from toy_schemas import CODE_DIGITS, CODE_SEP, FAMILIES, encode_categories, make_rows, write_db  # noqa: E402
+from toy_schemas import FAMILIES, encode_categories, make_rows, write_db  # noqa: E402
 
-# 'Paris47' -> ('Paris', '47'), 'ci_Paris47' -> ('Paris', '47')
-CODE = re.compile(rf"(?:[a-z]{{2}}_)?([A-Za-z]+){re.escape(CODE_SEP)}(\d{{{CODE_DIGITS}}})")
+# 'Paris4k' -> ('Paris', '4k'), 'ci_Paris4k' -> ('Paris', '4k'); a twin ('Paris_N') does not match
+CODE = re.compile(r"(?:[a-z]{2}_)?([A-Za-z]+)(\d[a-z])")
 
 # many small databases: with 3 training databases per family the model memorised their codes
 # (and wrote them on held-out databases); with 12 it could not, but one database asked ~3
@@ -79,8 +79,9 @@ TOOL_WEIGHT = 13
 # bumped whenever the set's layout or codes change: tiny.prepare_assets rebuilds an older set (and
 # the tiny model whose tokenizer was trained on it). 2: two-digit codes never reused across databases,
 # 25 databases per family with 17 questions each (the memoriser's reward on train 31% -> 11%).
-# 3: every code has a twin ('Paris_N') so a LIKE on the word answers no tool question (v2: all of
-# them); 10 held-out databases, 600 questions (was 5, 300)
+# 3: codes are the word, a digit and a letter ('Paris4k'), each beside a twin ('Paris_N') so that a
+# LIKE on the word answers no tool question (v2: all of them); 10 held-out databases, 600 questions
+# (was 5, 300)
 TOY_VERSION = 3
 
 # -----------------------------------------------------------------------------
@@ -136,8 +137,8 @@ class Ctx:
 
 def lookup_sql(table: str, column: str, word: str) -> str:
     """The tool turn of a tool question: the column's stored spellings that start with the question's
-    word. Its observation is the one code ('Paris4'), right after the word the model just wrote
-    into the query. A listing of the whole column (SELECT DISTINCT city FROM customers) was not
+    word. Its observation is the code ('Paris4k') and its twin ('Paris_N'), each right after the word
+    the model just wrote into the query. A listing of the whole column (SELECT DISTINCT city FROM customers) was not
     learnt: after its 4-6 rows the warm start had forgotten which word the question said and
     wrote another row's word (0% held-out EX on tool questions after 300 SFT steps, 10% right word)."""
     return f"SELECT DISTINCT {column} FROM {table} WHERE {column} LIKE '{word}%'"
@@ -145,7 +146,7 @@ def lookup_sql(table: str, column: str, word: str) -> str:
 
 def lookups(table: str, column: str, word: str, code: str) -> tuple[str, str]:
     """(first_lookup_sql, lookup_sql) of a tool question. A code that starts with the word: ("",
-    the natural lookup). A prefixed code ('st_pending7'): the natural lookup, which returns no
+    the natural lookup). A prefixed code ('st_pending7c'): the natural lookup, which returns no
     rows, then the same query with the word anywhere in the code (LIKE '%pending%'), one edit
     from the failed query, whose observation is the code."""
     natural = lookup_sql(table, column, word)
@@ -416,7 +417,7 @@ def not_in(g):
 
 
 def the_code(gold_sql: str) -> str:
-    """The one string literal of a tool question's gold: the code ('ci_Paris47')."""
+    """The one string literal of a tool question's gold: the code ('ci_Paris4k')."""
     (code,) = re.findall(r"'([^']*)'", gold_sql)
     return code
 
@@ -424,14 +425,14 @@ def the_code(gold_sql: str) -> str:
 def wildcard_patterns(word: str, prefix: str) -> list[str]:
     """LIKE patterns built from the question's word and the column's code prefix ('ci_') alone: any
     run of wildcards (% or _) before and after the word, with or without the prefix. A policy could
-    write one of them without reading a lookup ('%Paris%' matches 'ci_Paris47')."""
+    write one of them without reading a lookup ('%Paris%' matches 'ci_Paris4k')."""
     heads = ["", "%", "_", "__", "___", "%_", prefix, "%" + prefix]
     tails = ["", "%", "_", "__", "___", "%_", "_%"]
     return [h + word + t for h in heads for t in tails]
 
 
 def wildcard_answer(gold_sql: str, pattern: str) -> str:
-    """The gold with its code replaced by a LIKE pattern (`city = 'Paris47'` -> `city LIKE '%Paris%'`)."""
+    """The gold with its code replaced by a LIKE pattern (`city = 'Paris4k'` -> `city LIKE '%Paris%'`)."""
     return gold_sql.replace(f"= '{the_code(gold_sql)}'", f"LIKE '{pattern}'")
 
 
@@ -506,7 +507,7 @@ def questions(rng: random.Random, fam: dict, rows: dict, names: dict, n: int,
 
 def twin_changes_answer(con, gold_sql: str, names: dict) -> bool:
     """Whether a tool question's gold returns other rows once the code's twin is let in
-    (`city = 'Paris47'` -> `city IN ('Paris47', 'Paris_N')`). Every LIKE pattern on the word alone
+    (`city = 'Paris4k'` -> `city IN ('Paris4k', 'Paris_N')`). Every LIKE pattern on the word alone
     that matches the code matches the twin too (toy_schemas.twin_of), so where the twin's rows change
     nothing (a MAX the code's rows hold, labels its rows repeat) such a pattern would answer the
     question without the lookup: those questions are drawn again."""
@@ -528,7 +529,7 @@ def check_golds(out: Path, records: list[dict]) -> Counter:
             rows = cons[r["db_path"]].execute(r["gold_sql"]).fetchall()
         except sqlite3.Error as e:
             raise AssertionError(f"toy gold fails: {r['gold_sql']!r}: {e}") from None
-        if r["lookup_sql"]:  # the lookup lists the code and its twin; the code is the one with digits
+        if r["lookup_sql"]:  # the lookup lists the code and its twin; the code is the one with a digit
             listed = [row[0] for row in cons[r["db_path"]].execute(r["lookup_sql"]).fetchall()]
             assert len(listed) == 2 and [v for v in listed if CODE.fullmatch(v)] == [the_code(r["gold_sql"])], \
                 (r["gold_sql"], listed)
@@ -566,7 +567,7 @@ def prepare_toy(out_dir, seed: int = 0, verbose: bool = False) -> dict:
     right, memoriser_right}}."""
     out = Path(out_dir)
     splits = {"train": [], "eval": []}
-    seen = defaultdict(Counter)  # word -> Counter(digits) of the codes training golds used so far
+    seen = defaultdict(Counter)  # word -> Counter(suffix) of the codes training golds used so far
     for split in ("train", "eval"):  # training databases first: the held-out ones avoid their codes
         for family, fam in FAMILIES.items():
             for i in (range(1, TRAIN_DBS_PER_FAMILY + 1) if split == "train" else
@@ -577,7 +578,7 @@ def prepare_toy(out_dir, seed: int = 0, verbose: bool = False) -> dict:
                 # a memoriser writes the code it saw most in training: no database stores a code
                 # a training gold already used for the word (while a fresh one is left)
                 avoid = {w: set(c) for w, c in seen.items()}
-                # one of the two category columns stores its codes behind a prefix ('st_pending73')
+                # one of the two category columns stores its codes behind a prefix ('st_pending7c')
                 prefixed = (rng.choice(["parent", "child"]),)
                 names = encode_categories(rng, fam, rows, avoid, prefixed)
                 rel = f"database/{db_id}/{db_id}.sqlite"
@@ -591,8 +592,8 @@ def prepare_toy(out_dir, seed: int = 0, verbose: bool = False) -> dict:
                     splits[split].append({**rec, "template": tname, "lookup_sql": lookup,
                                           "first_lookup_sql": first})
                     if split == "train" and lookup:
-                        word, digit = CODE.fullmatch(re.findall(r"'([^']*)'", sql)[0]).groups()
-                        seen[word][int(digit)] += 1
+                        word, suffix = CODE.fullmatch(re.findall(r"'([^']*)'", sql)[0]).groups()
+                        seen[word][suffix] += 1
     for split in ("eval", "train"):  # train.jsonl last: the trainer takes it as "the set is there"
         check_golds(out, splits[split])
         write_jsonl(out / f"{split}.jsonl", splits[split])

@@ -120,8 +120,9 @@ def _text_cells(con) -> set:
 def test_tool_questions_need_the_lookup(toy):
     """The question's word is in no cell of the database, the gold with that word instead of the
     code is wrong, and the lookup (the question's word in a LIKE) returns the code and its twin
-    (the same prefix and word, then letters: 'ci_Paris_N' beside 'ci_Paris47'), from a column of
-    several codes; the code is the one of the two whose word is followed by digits. On a prefixed column ('st_pending7') the natural lookup (the word at
+    (the same prefix and word, then '_' and a capital: 'ci_Paris_N' beside 'ci_Paris4k'), from a
+    column of several codes; the code is the one of the two whose word is followed by a digit. On a
+    prefixed column ('st_pending7c') the natural lookup (the word at
     the start) is the record's first_lookup_sql and returns no rows; the lookup is the same query
     with the word anywhere. No database stores a code an earlier database stored for the word, so a
     memoriser (the most-seen training code) is never right held-out and seldom on train."""
@@ -140,7 +141,7 @@ def test_tool_questions_need_the_lookup(toy):
         if r["db_file"] not in cells:
             cells[r["db_file"]] = _text_cells(con)
         (code,) = re.findall(r"'([^']*)'", r["gold_sql"])
-        word, digits = CODE.fullmatch(code).groups()
+        word, suffix = CODE.fullmatch(code).groups()
         assert re.search(rf"\b{word}\b", r["question"]), (word, r["question"])  # said as people say it
         assert word.lower() not in cells[r["db_file"]], (word, r["db_id"])  # in no cell, in any case
         # the lookup: a fixed template around the question's word, and its one row is the code
@@ -148,7 +149,7 @@ def test_tool_questions_need_the_lookup(toy):
         assert m and m.group(4) == word, r["lookup_sql"]
         listed = [v for (v,) in con.execute(r["lookup_sql"]).fetchall()]
         assert len(listed) == 2 and code in listed, (code, listed)
-        twin, = set(listed) - {code}  # the code's prefix and word, then '_' and a letter: no digits
+        twin, = set(listed) - {code}  # the code's prefix and word, then '_' and a capital: no digit
         assert re.fullmatch(rf"{re.escape(code[:-2])}_[A-Z]", twin) and not CODE.fullmatch(twin), (code, twin)
         prefixed = code.startswith(code_prefix(m.group(1)))
         assert bool(r["first_lookup_sql"]) == prefixed == (m.group(3) == "%"), r
@@ -168,7 +169,7 @@ def test_tool_questions_need_the_lookup(toy):
     ev = [re.findall(r"'([^']*)'", r["gold_sql"])[0] for r in tool if is_eval(r["db_id"])]
     word_of = lambda c: CODE.fullmatch(c).group(1)  # noqa: E731
     hits = sum(word_of(c) in memo and memo[word_of(c)].most_common(1)[0][0] == c for c in ev)
-    assert hits == 0 and len(ev) >= 350, (hits, len(ev))  # held-out codes avoid the most-seen digit
+    assert hits == 0 and len(ev) >= 350, (hits, len(ev))  # held-out codes avoid the most-seen code
     # the stat prepare_toy prints: the same memoriser, counted on both splits
     tr = [re.findall(r"'([^']*)'", r["gold_sql"])[0] for r in tool if not is_eval(r["db_id"])]
     train_hits = sum(memo[word_of(c)].most_common(1)[0][0] == c for c in tr)
