@@ -81,18 +81,36 @@ def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, evalu
     del full, msd
 
 
+def stop_check_questions(train_ex: list[dict], s) -> tuple[list[dict], list[dict]]:
+    """(the stop check's questions, the warm start's training examples); s: config.SFTConfig.
+    No check (stop_at_train_ex 0): none, all of train_ex. Otherwise 128 questions spread over the
+    training set (it is ordered by database); with stop_check_unseen, those of every k-th database
+    (about 8), which the warm start then leaves out."""
+    if s.stop_at_train_ex <= 0:
+        return [], train_ex
+    if not s.stop_check_unseen:
+        return train_ex[::max(1, len(train_ex) // 128)][:128], train_ex
+    dbs = list(dict.fromkeys(ex["db_id"] for ex in train_ex))
+    if len(dbs) < 10:
+        raise ValueError(f"sft.stop_check_unseen leaves whole training databases out of the warm start, "
+                         f"and the training set has {len(dbs)}: set it false")
+    per_db = len(train_ex) / len(dbs)
+    held = set(dbs[::max(1, int(len(dbs) * per_db / 128))])
+    probe = [ex for ex in train_ex if ex["db_id"] in held]
+    return probe[::max(1, len(probe) // 128)][:128], [ex for ex in train_ex if ex["db_id"] not in held]
+
+
 def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate):
     """Warm start on gold trajectories (loss on model-side tokens only, token-mean over the batch).
     evaluate: episodes.evaluate(model, tok, exs, cfg, rank, world, device, log, step, prefix) -> metrics,
     for sft.eval_every and the sft.stop_at_train_ex check; log: train.Log."""
     s = cfg.sft
     t0 = time.time()
+    probe, train_ex = stop_check_questions(train_ex, s)
     prompts = gold.render_prompts(tok, train_ex, cfg.data, cfg.env.protocol, cfg.data.db_root)
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]
     data = gold.build_dataset(train_ex, prompts, tok, cfg, db_paths)
     opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
-    # the stop check's questions: 128 spread over the training set (it is ordered by database)
-    probe = train_ex[::max(1, len(train_ex) // 128)][:128] if s.stop_at_train_ex > 0 else []
     was_training = model.training
     model.train()  # dropout on for the loss (the evals inside run in eval mode: the engine sets it)
     check_every = s.stop_check_every  # stop_check_every_near once a check reaches stop_near_ex
@@ -119,8 +137,8 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evalua
             # all-reduced: every rank sees the same EX and stops at the same step
             m = evaluate(model, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")
             ex, recovery = m["sft/train/ex"], m.get("sft/train/recovery_rate", 1.0)  # absent: none failed
-            if s.stop_near_ex > 0 and ex >= s.stop_near_ex and s.stop_check_every_near > 0:
-                check_every = s.stop_check_every_near
+            near = s.stop_near_ex > 0 and ex >= s.stop_near_ex and s.stop_check_every_near > 0
+            check_every = s.stop_check_every_near if near else s.stop_check_every
             if ex >= s.stop_at_train_ex and recovery >= s.stop_at_train_recovery:
                 log.metrics(i + 1, {"sft/stopped_at": i + 1})
                 log.print(f"sft: stopped at step {i + 1} of {s.steps}: training EX {100 * ex:.1f}% >= "

@@ -185,6 +185,26 @@ def test_sft_checks_finer_near_the_threshold(tmp_path, tiny_model, near, every_n
     assert [m["sft/stopped_at"] for m in stops] == [stops_at]
 
 
+def test_stop_check_questions_from_unseen_databases():
+    """sft.stop_check_unseen: the stop check's 128 questions are those of whole training databases
+    (spread over the set), and the warm start trains on none of those databases; without it, 128
+    questions spread over the set and the warm start trains on everything; no check, no questions."""
+    exs = [{"id": f"{db}-{q}", "db_id": f"db{db:03d}"} for db in range(120) for q in range(17)]
+    on = C.load_config(["--sft.stop_at_train_ex=0.4", "--sft.stop_check_unseen=true"]).sft
+    probe, train_set = sft.stop_check_questions(exs, on)
+    probe_dbs = {e["db_id"] for e in probe}
+    assert len(probe) == 128 and 7 <= len(probe_dbs) <= 9
+    assert not probe_dbs & {e["db_id"] for e in train_set}
+    assert len(train_set) == len(exs) - 17 * len(probe_dbs)  # every question of those databases left out
+    assert sorted(probe_dbs)[0] == "db000" and sorted(probe_dbs)[-1] >= "db100"  # spread over the set
+    off = C.load_config(["--sft.stop_at_train_ex=0.4"]).sft
+    probe, train_set = sft.stop_check_questions(exs, off)
+    assert len(probe) == 128 and len({e["db_id"] for e in probe}) > 100 and train_set == exs
+    assert sft.stop_check_questions(exs, C.load_config([]).sft) == ([], exs)
+    with pytest.raises(ValueError, match="stop_check_unseen"):
+        sft.stop_check_questions(exs[:17 * 5], on)
+
+
 def test_sft_loss_runs_in_training_mode(tmp_path, tiny_model, monkeypatch):
     """The warm start's loss forwards run in training mode (dropout on), and the model comes back
     in the mode it had (from_pretrained: eval, what rollouts and scoring use)."""
