@@ -132,6 +132,22 @@ def export_hf(model, full_sd: dict, folder: Path, tokenizer=None):
         tokenizer.save_pretrained(str(folder))
 
 
+def set_aside(out_dir: str) -> str | None:
+    """A fresh start (train.resume=false) in an out_dir that holds an earlier run's checkpoints:
+    they move to <out_dir>/earlier-<time>/ (rank 0, before anything is saved). Left in place, the
+    old ckpt_000024 would outlive the new run's ckpt_000008 in the pruning (by step order) and a
+    later resume would continue the old run. Returns the folder they went to, or None."""
+    old = sorted(Path(out_dir).glob("ckpt_*")) if Path(out_dir).is_dir() else []
+    if not old:
+        return None
+    import time
+    dest = Path(out_dir) / f"earlier-{time.strftime('%Y%m%d-%H%M%S')}"
+    dest.mkdir()
+    for path in old:
+        path.rename(dest / path.name)
+    return str(dest)
+
+
 def latest(out_dir: str) -> str | None:
     ckpts = sorted(Path(out_dir).glob("ckpt_*")) if Path(out_dir).is_dir() else []
     return str(ckpts[-1]) if ckpts else None

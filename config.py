@@ -6,7 +6,8 @@ type-checked against its default; an unknown key or a bad value fails at once, n
 and the closest valid ones.
 
     python config.py                      # print every key with its default
-    python config.py configs/tiny.yaml    # print the resolved config of a file (+ overrides)
+    python config.py configs/tiny.yaml    # print the resolved config of a file (+ overrides), checked
+Value ranges and consistency between keys: config_checks.py.
 """
 from __future__ import annotations
 
@@ -89,6 +90,7 @@ class EnvConfig:
     #   engine steps after it was submitted (the loop waits for it there; a reproducible schedule); async: rows
     #   rejoin as soon as their results arrive and the loop waits only when nothing else can run (a slow query
     #   stalls only its own rows; each row samples the same tokens, the engine's batches depend on timing)
+    tool_threads: int = 4  # async: tool batches stepped at once (a slow one does not hold the next in line)
     tool_timeout_s: float = 5.0
     max_result_rows: int = 50  # rows shown when the table is too long
     fetch_rows: int = 10000  # rows fetched at most (memory bound)
@@ -124,6 +126,15 @@ class RewardConfig:
     # drifted to 19% of held-out episodes without an answer by step 32; at -1, 0.0%
     no_answer: float = 0.0
     keep_distinct: bool = False  # spider mode: compare with DISTINCT kept (the evaluator's --keep_distinct)
+    # dense shaping (reward.dense_shaping), per step; sql_env's values
+    dense_step: float = -0.005  # every step's cost
+    dense_repeat: float = -0.01  # an action repeated (same kind and argument): earns nothing else
+    dense_exec_ok: float = 0.02  # a new action that ran
+    dense_new_info: float = 0.01  # ... plus this, up to dense_new_info_cap over the episode
+    dense_new_info_cap: float = 0.10
+    dense_progress: float = 0.15  # x the gain in Jaccard(QUERY rows, gold rows) over the best so far
+    dense_step_min: float = -0.2  # each step's shaping clamped to [dense_step_min, dense_step_max]
+    dense_step_max: float = 0.5
 
 
 @dataclass
@@ -137,6 +148,7 @@ class SamplingConfig:
     block_size: int = 16  # tokens per KV cache block (the unit of paging and prompt sharing)
     max_decode_rows: int = 0  # most sequences decoding at once; 0 = as many as the KV budget holds
     cuda_graphs: bool = True  # CUDA: replay the decode forward from captured graphs (ignored on CPU)
+    prefill_tokens: int = 16384  # padded tokens per prefill forward: bounds its activations
     # how a decode step reads the paged KV cache (paged_attention.py): flex = FlexAttention over the
     # blocks in place, gather = copy each row's blocks out then SDPA (the reference); auto = flex on CUDA
     paged_attention: str = choice("auto", "auto", "gather", "flex")
@@ -194,7 +206,7 @@ class OptimConfig:
     micro_batch_tokens: int = 16384  # tokens per forward/backward micro-batch
     # packed rows of at most this many tokens, several per micro-batch (0: one row per micro-batch).
     # 0 is best on both devices: CUDA's FlexAttention skips masked blocks, and CPU attention runs per
-    # sequence (segment_attention.py), never over a row's T² pairs
+    # sequence (packed_attention.py), never over a row's T² pairs
     pack_row_tokens: int = 0
 
 
@@ -224,8 +236,9 @@ class SFTConfig:
     # 10 steps, and the first check past stop_at_train_ex then lands far above it.
     stop_near_ex: float = 0.0
     stop_check_every_near: int = 0
+    stop_check_questions: int = 128  # training questions the stop check evaluates (spread over the set)
     # The check's questions come from whole training databases the warm start leaves out (about 8 of
-    # them, 128 questions): on questions it trains on, a late stop reads memorised answers as skill
+    # them for 128 questions): on questions it trains on, a late stop reads memorised answers as skill
     # (toy set: 41% training EX at step 648 where held-out EX was 25%).
     stop_check_unseen: bool = False
     # no check before this step: checks cost a greedy eval each, and early ones, before the model
@@ -282,6 +295,20 @@ class Config:
 
 class ConfigError(ValueError):
     pass
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # what model.lora_targets may name
+
+
+def lora_targets(model_cfg) -> tuple[str, ...]:
+    """model.lora_targets parsed, in LORA_TARGETS order; ConfigError naming the key for an unknown
+    name or none (lora.LoraSpec and config_checks both read it through this)."""
+    names = [t.strip() for t in str(model_cfg.lora_targets).split(",") if t.strip()]
+    bad = [t for t in names if t not in LORA_TARGETS]
+    if bad or not names:
+        raise ConfigError(f"model.lora_targets: {bad or 'empty'} not in {list(LORA_TARGETS)} "
+                          f"(comma-separated, e.g. 'q,v' or 'q,k,v,o,gate,up,down')")
+    return tuple(t for t in LORA_TARGETS if t in names)
 
 
 def _fields(dc) -> dict[str, dataclasses.Field]:
@@ -384,20 +411,33 @@ def _flatten_yaml(d: Any, path: str) -> dict[str, Any]:
     return out
 
 
-def load_config(argv: list[str] | None = None) -> Config:
-    """argv: [config.yaml] [--group.key=value ...] (a YAML path is optional)."""
+def yaml_error_text(e: yaml.YAMLError) -> str:
+    """A YAML syntax error on one line: 'line L, column C: what' (PyYAML prints it over ~6 lines)."""
+    mark = getattr(e, "problem_mark", None)
+    what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+    return f"YAML syntax error at line {mark.line + 1}, column {mark.column + 1}: {what}" if mark else \
+        f"YAML syntax error: {what}"
+
+
+def load_config(argv: list[str] | None = None, base: Config | None = None) -> Config:
+    """argv: [config.yaml] [--group.key=value ...] (a YAML path is optional), applied over `base`
+    (default: the defaults; eval.py passes a checkpoint's saved config)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    cfg = Config()
+    cfg = base if base is not None else Config()
     files = [a for a in argv if not a.startswith("--")]
     overrides = [a for a in argv if a.startswith("--")]
     if len(files) > 1:
         raise ConfigError(f"expected at most one config file, got {files}")
     for path in files:
         try:
-            with open(path) as fh:
+            with open(path, encoding="utf-8") as fh:
                 data = yaml.safe_load(fh) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from None
+        except yaml.YAMLError as e:  # a scanner/parser error: say where, on one line
+            raise ConfigError(f"{path}: {yaml_error_text(e)}") from None
         apply(cfg, _flatten_yaml(data, path))
     flat = {}
     for a in overrides:
@@ -440,8 +480,10 @@ def dump(cfg: Config) -> str:
 
 
 if __name__ == "__main__":
+    import config  # the module config_checks raises from (this file runs as __main__)
+    import config_checks  # value ranges and consistency (world size 1)
     try:
-        c = load_config()
-    except ConfigError as e:
+        c = config_checks.validate(config.load_config())
+    except config.ConfigError as e:
         sys.exit(f"error: {e}")
-    print(dump(c), end="")
+    print(config.dump(c), end="")

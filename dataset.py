@@ -22,6 +22,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from urllib.parse import quote
 
 FIELDS = ("id", "source", "db_id", "db_path", "question", "evidence", "gold_sql")
 
@@ -120,68 +121,124 @@ def fit_prompts(examples: list[dict], prompt_lengths: list[int], max_prompt_toke
     return kept, len(examples) - len(kept)
 
 
+def database_problem(db_file) -> str:
+    """'' for a readable SQLite database with at least one table, else what is wrong with it. A
+    0-byte file opens as an empty database (SQLite creates nothing read-only): every question on
+    it would see an empty schema and score 0, so it is a problem here, not at the first rollout."""
+    try:
+        size = os.path.getsize(db_file)
+    except FileNotFoundError:
+        return "database not found"
+    except OSError as e:
+        return f"cannot read the database: {e.strerror}"
+    if not os.path.isfile(db_file):
+        return "not a database file"
+    if size == 0:
+        return "the database is an empty file (0 bytes)"
+    if not os.access(db_file, os.R_OK):
+        return "the database is not readable (permissions)"
+    try:
+        con = sqlite3.connect(f"file:{quote(str(db_file))}?mode=ro", uri=True)
+        try:
+            n = con.execute("SELECT count(*) FROM sqlite_master WHERE type IN ('table', 'view')").fetchone()[0]
+        finally:
+            con.close()
+    except sqlite3.Error as e:  # "file is not a database", "unable to open database file", ...
+        return f"not a readable SQLite database ({e})"
+    return "" if n else "the database has no tables"
+
+
 def load_examples(path, db_root, limit=0) -> list[dict]:
     """Read and validate a canonical jsonl file; return its records (first `limit` if > 0).
 
-    Each record gets one extra key, `db_file`: the absolute database path (db_root/db_path).
-    Keys beyond the canonical ones (e.g. the toy set's `template`) are kept as they are.
-    Every problem is collected before raising, so one run shows all of them: unreadable lines,
-    missing or non-string fields, duplicate ids, and every missing database (with how many
-    records use it).
+    Each record gets two extra keys: `db_file`, the absolute database path (db_root/db_path), and
+    `where`, "FILE:LINE" of its line (for messages). Keys beyond the canonical ones (e.g. the toy
+    set's `template`) are kept as they are. Every problem is collected before raising, one line
+    each naming the file and line, so one run shows all of them: unreadable lines, missing or
+    non-string fields, duplicate ids, and each database that is missing, empty (0 bytes), not a
+    readable SQLite file or without tables (once, with how many records use it).
     """
     path = Path(path)
-    if not path.exists():
-        raise DatasetError(f"dataset file not found: {path}")
+    if not path.is_file():
+        raise DatasetError(f"dataset file not found: {path}" if not path.exists() else f"{path}: not a file")
     root = Path(db_root)
     problems: list[str] = []
     out: list[dict] = []
     seen: dict[str, int] = {}
-    missing_dbs: Counter = Counter()
-    db_exists: dict[str, bool] = {}  # many records share a database: stat each once
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            if limit and len(out) >= limit:
-                break
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                problems.append(f"line {lineno}: not valid JSON ({e.msg})")
-                continue
-            if not isinstance(rec, dict):
-                problems.append(f"line {lineno}: expected a JSON object, got {type(rec).__name__}")
-                continue
-            absent = [f for f in FIELDS if f not in rec]
-            wrong = [f for f in FIELDS if f in rec and not isinstance(rec[f], str)]
-            empty = [f for f in ("id", "db_path", "question", "gold_sql")
-                     if isinstance(rec.get(f), str) and not rec[f].strip()]
-            if absent:
-                problems.append(f"line {lineno}: missing field(s) {', '.join(absent)}")
-            if wrong:
-                problems.append(f"line {lineno}: field(s) {', '.join(wrong)} must be strings")
-            if empty:
-                problems.append(f"line {lineno}: empty field(s) {', '.join(empty)}")
-            if absent or wrong or empty:
-                continue
-            if rec["id"] in seen:
-                problems.append(f"line {lineno}: duplicate id {rec['id']!r} (first on line {seen[rec['id']]})")
-            seen[rec["id"]] = lineno
-            db_file = abs_db_path(rec, root)
-            if db_file not in db_exists:
-                db_exists[db_file] = os.path.isfile(db_file)
-            if not db_exists[db_file]:
-                missing_dbs[rec["db_path"]] += 1
-            out.append({**rec, "db_file": db_file})
-    for db, n in sorted(missing_dbs.items()):
-        problems.append(f"database not found: {root / db} (used by {n} record(s))")
+    db_users: dict[str, list[int]] = {}  # database -> lines of the records on it (checked once each)
+    try:
+        fh = open(path, encoding="utf-8")
+        lines = list(enumerate(fh, 1))
+        fh.close()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{path}: cannot read it ({e})") from None
+    for lineno, line in lines:
+        at = f"{path}:{lineno}"
+        if not line.strip():
+            continue
+        if limit and len(out) >= limit:
+            break
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"{at}: not valid JSON ({e.msg})")
+            continue
+        if not isinstance(rec, dict):
+            problems.append(f"{at}: expected a JSON object, got {type(rec).__name__}")
+            continue
+        absent = [f for f in FIELDS if f not in rec]
+        wrong = [f for f in FIELDS if f in rec and not isinstance(rec[f], str)]
+        empty = [f for f in ("id", "db_path", "question", "gold_sql")
+                 if isinstance(rec.get(f), str) and not rec[f].strip()]
+        if absent:
+            problems.append(f"{at}: missing field(s) {', '.join(absent)}")
+        if wrong:
+            problems.append(f"{at}: field(s) {', '.join(wrong)} must be strings")
+        if empty:
+            problems.append(f"{at}: empty field(s) {', '.join(empty)}")
+        if absent or wrong or empty:
+            continue
+        if rec["id"] in seen:
+            problems.append(f"{at}: duplicate id {rec['id']!r} (first on line {seen[rec['id']]})")
+        seen[rec["id"]] = lineno
+        db_file = abs_db_path(rec, root)
+        db_users.setdefault(db_file, []).append(lineno)
+        out.append({**rec, "db_file": db_file, "where": at})
+    for db_file, users in db_users.items():
+        if bad := database_problem(db_file):
+            problems.append(f"{db_file}: {bad} (used by {len(users)} record(s), first on {path}:{users[0]}; "
+                            f"db_root={root})")
     if problems:
-        head = f"{path}: {len(problems)} problem(s) (db_root={root}):"
         shown = problems[:50] + ([f"... and {len(problems) - 50} more"] if len(problems) > 50 else [])
-        raise DatasetError("\n  ".join([head] + shown))
+        raise DatasetError(shown[0] if len(problems) == 1 else
+                           "\n  ".join([f"{len(problems)} problems in {path}:"] + shown))
     if not out:
         raise DatasetError(f"{path}: no records")
     return out
+
+
+def gold_failures(examples: list[dict], reward_cfg) -> list[str]:
+    """Run every record's gold query on its database exactly as the reward will (reward.match_batch:
+    the sandbox, reward.mode's rewriting, reward.timeout_s; the results stay in its gold cache) ->
+    per record "" or the error. A gold that fails would make every answer to its question wrong."""
+    import reward  # reward imports this module
+    verdicts = reward.match_batch([(ex["db_file"], "", ex["gold_sql"]) for ex in examples], reward_cfg.mode,
+                                  timeout_s=reward_cfg.timeout_s, keep_distinct=reward_cfg.keep_distinct)
+    prefix = "gold failed: "  # match_batch's text for a gold that did not run
+    return [err[len(prefix):] if err.startswith(prefix) else "" for _, err in verdicts]
+
+
+def drop_failing_golds(examples: list[dict], errors: list[str], name: str) -> tuple[list[dict], str]:
+    """(records whose gold runs, a note naming the ones skipped: "" if none). Every gold failing
+    is a DatasetError (no reward could ever be earned)."""
+    bad = [(ex, err) for ex, err in zip(examples, errors, strict=True) if err]
+    if not bad:
+        return examples, ""
+    shown = "; ".join(f"{ex.get('where', ex['id'])}: {err}" for ex, err in bad[:3]) + (" ..." if len(bad) > 3 else "")
+    if len(bad) == len(examples):
+        raise DatasetError(f"{name}: every gold query ({len(bad)}) fails on its database: {shown}")
+    kept = [ex for ex, err in zip(examples, errors) if not err]
+    return kept, f"{name}: skipped {len(bad)} of {len(examples)} examples whose gold query fails on its database: {shown}"
 
 
 if __name__ == "__main__":

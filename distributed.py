@@ -14,8 +14,8 @@ reduce). CPU uses gloo, CUDA nccl (FSDP2 works on CPU; FSDP1 does not).
 Costs under FSDP2 (measured by reading torch 2.13's fully_shard): with model.fsdp_unit=block a
 training micro-batch all-gathers the root (embeddings, norm, lm_head) once (the root is not
 resharded between forward and backward) and each block twice (forward, then again in backward);
-with fsdp_unit=model the whole model once. unsharded() gathers every unit once for a whole
-rollout and frees all of them on exit.
+with fsdp_unit=model the whole model once. The weight sync (policy_sampler.PolicySampler.refresh)
+gathers one unit at a time into the sampler's copy.
 
 Tests: pytest tests/test_precision.py tests/test_grpo_dist.py tests/test_train.py
 """
@@ -171,31 +171,25 @@ def fsdp_modules(model) -> list:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-@contextlib.contextmanager
-def unsharded(model):
-    """Gather the full weights once for a whole rollout (no all-gather per decode step).
+# -----------------------------------------------------------------------------
+# micro-batch passes: every rank runs as many as the rank with the most
 
-    FSDP2's unshard() is not recursive: the root's call gathers only the root's own parameters
-    (embeddings, norm, lm_head). Every block is its own unit, so each is unsharded here too;
-    inside, every parameter is a plain tensor in the compute dtype. On exit every unit is
-    resharded, leaving only the fp32 shards (the gathered copies are freed)."""
-    units = fsdp_modules(model)
-    if not units:
-        yield
-        return
-    for m in units:
-        m.unshard()
-    units[0].set_reshard_after_forward(False)  # recurse=True: the blocks too
-    try:
-        yield
-    finally:
-        for m in units:
-            m.reshard()
-        # back to the training policy: blocks reshard after forward, the root does not. (A plain
-        # root.set_reshard_after_forward(True) would also make the root reshard, costing one more
-        # all-gather of embeddings + lm_head, the largest unit, in every micro-batch's backward.)
-        units[0].set_reshard_after_forward(True)
-        units[0].set_reshard_after_forward(False, recurse=False)
+
+def each_micro_batch(model, mbs: list, device, *, backward: bool):
+    """Yield this rank's micro-batches in order; where another rank has more, run a dummy pass
+    instead (FSDP2's collectives must match across ranks): forward only when the caller scores
+    without gradients (backward=False), forward + zero backward when it accumulates a loss. The
+    one accumulation loop of the update, old/ref logprobs and the SFT loss."""
+    n = all_max(len(mbs), device)
+    for mb in mbs:
+        yield mb
+    for _ in range(n - len(mbs)):
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)  # one token predicting another
+        if backward:  # a zero-weight forward/backward: this rank's FSDP2 collectives in step with the others
+            lp, _ = model(ids[:, :-1], ids[:, 1:])
+            (lp * 0).sum().backward()
+        else:
+            model(ids)
 
 
 class PeakMemory:

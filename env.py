@@ -117,7 +117,8 @@ def format_table(result: SqlResult, max_chars: int, max_rows: int, row_cap: int 
 
 
 def format_observation(result: SqlResult, turns_left: int, cfg: EnvConfig, row_cap: int = 0) -> str:
-    """SkyRL's observation text (GUIDE §1; strings from cfg)."""
+    """SkyRL-SQL's observation text (the strings are cfg's): the result as a table, cut to
+    max_result_rows rows with a note past max_obs_chars; the error or timeout text otherwise."""
     if result.timed_out:
         body = cfg.timeout_text
     elif not result.ok:
@@ -197,11 +198,19 @@ def step_batch(db_paths: list, texts: list[str], turns_left: list[int], cfg: Env
 
 def step_record(step: StepResult) -> dict:
     """One env step as Trajectory.steps keeps it: what reward.py's dense shaping needs (actions
-    protocol) and eval.first_query_bad's row count (any protocol)."""
+    protocol) and first_query_bad's row count (any protocol)."""
     r = step.result
     return {"kind": step.action.kind, "arg": step.action.arg, "ok": bool(r and r.ok),
             "rows": list(r.rows) if (r and r.ok and step.action.kind == "query") else None,
-            "n_rows": len(r.rows) if (r and r.ok) else None}  # eval's error-recovery rate
+            "n_rows": len(r.rows) if (r and r.ok) else None}  # the error-recovery rate's
+
+
+def first_query_bad(steps: list[dict]) -> bool:
+    """Did the episode's first SQL tool call (`<sql>` or the actions protocol's QUERY; DESCRIBE and
+    SAMPLE are not queries) fail, time out or return no rows? steps: step_record dicts. An episode
+    with a bad first query that still ends right is a recovery (the evals' error-recovery rate)."""
+    first = next((s for s in steps if s["kind"] in ("sql", "query")), None)
+    return first is not None and (not first["ok"] or first["n_rows"] == 0)
 
 
 if __name__ == "__main__":

@@ -1,50 +1,61 @@
 """Episodes: rollout then reward, and their summaries, shared by the GRPO step (train.py), the
-held-out evals and the warm start's stop check (sft.py gets `evaluate` passed in).
+held-out evals, the warm start's stop check (sft.py) and eval.py generate.
 
-    trajs, rewards, t_rollout, t_reward = run_episodes(model, tok, examples, cfg, n=G, seed=s, greedy=False)
-    metrics = evaluate(model, tok, eval_examples, cfg, rank, world, device, log, step)   # eval/* keys
+    trajs = sampler.rollout(tok, examples, cfg.env, cfg.data, cfg.data.db_root, n=G, seed=s)  # train.py
+    rws = rewards(trajs, examples, tok, cfg, n=G)                                            # one per episode
+    trajs, rws, t_rollout, t_reward = run_episodes(sampler, tok, examples, cfg, n=1, seed=s, greedy=True)
+    metrics = evaluate(sampler, tok, eval_examples, cfg, rank, world, device, log, step)     # eval/* keys
 
-run_episodes samples on the trained model's PolicySampler (policy_sampler.py: an inference copy
-refreshed from the current weights, LoRA merged, with one engine kept for the run) and scores
-the episodes with reward.episode_rewards. summarise gives per-rank sums that reduce_summary
-all-reduces into means.
+The sampler (policy_sampler.PolicySampler) holds the weights it samples: its owner refreshes it
+after the weights change (train.py after an optimizer step, sft.py before an eval), never here.
+summarise gives per-rank sums that reduce_summary all-reduces into means.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import time
-import weakref
 
 import config as C
-import eval as eval_lib
+import dataset
+import env
 import reward
-from distributed import PeakMemory, all_sum, compute_dtype
+import rollout
+from distributed import PeakMemory, all_sum
 from policy_sampler import PolicySampler
 
-def run_episodes(model, tok, exs, cfg: C.Config, *, n: int, seed: int, greedy: bool, sampling=None,
-                 mem: PeakMemory | None = None):
-    """Rollout on the model's PolicySampler (its inference copy refreshed from the current weights,
-    LoRA merged) then rewards. Returns (trajs, reward dicts, t_rollout, t_reward).
+
+def episode(traj, example: dict, db_root, final_sql: str | None = None) -> dict:
+    """The input reward.episode_rewards scores: one rollout.Trajectory of one dataset record.
+    final_sql: the answer to execute, when the caller rewrote it (default traj.final_sql)."""
+    return {"db_path": dataset.abs_db_path(example, db_root), "gold_sql": example["gold_sql"],
+            "response": traj.text, "final_sql": traj.final_sql if final_sql is None else final_sql,
+            "finished": traj.finished, "steps": traj.steps}
+
+
+def rewards(trajs, examples, tok, cfg: C.Config, *, n: int = 1, final_sqls: list[str] | None = None) -> list[dict]:
+    """reward.episode_rewards of each trajectory. examples: the rollout's, each repeated n times in
+    trajs (example-major, as rollout returns them). final_sqls: the answers to execute when the caller
+    rewrote them (eval.py scores its one-line predictions), default each trajectory's final_sql."""
+    reps = [ex for ex in examples for _ in range(n)]
+    answers = final_sqls or [None] * len(trajs)
+    eps = [episode(t, ex, cfg.data.db_root, a) for t, ex, a in zip(trajs, reps, answers)]
+    return reward.episode_rewards(eps, cfg.reward, cfg.env.protocol, rollout.conversation_pieces(tok, cfg.env))
+
+
+def run_episodes(sampler: PolicySampler, tok, exs, cfg: C.Config, *, n: int, seed: int, greedy: bool,
+                 sampling=None, mem: PeakMemory | None = None):
+    """sampler.rollout then rewards, timed. Returns (trajs, reward dicts, t_rollout, t_reward).
     sampling: the SamplingConfig to decode with (default cfg.sampling); mem: records CUDA peaks."""
     phase = mem.phase if mem is not None else (lambda name: contextlib.nullcontext())
     t0 = time.time()
-    sampler = _SAMPLERS.get(model)
-    if sampler is None:  # once per trained model: the copy, its KV pool and buffers live for the run
-        sampler = _SAMPLERS[model] = PolicySampler(model, cfg.sampling, dtype=compute_dtype(cfg))
     with phase("rollout"):
-        sampler.refresh(model)  # one unit gathered at a time; the weights may have changed since the last call
         trajs = sampler.rollout(tok, exs, cfg.env, cfg.data, cfg.data.db_root, sampling_cfg=sampling or cfg.sampling,
                                 n=n, seed=seed, greedy=greedy)
     t1 = time.time()
-    rep = [ex for ex in exs for _ in range(n)]  # rollout returns the n samples of an example together
     with phase("reward"):
-        rw = reward.episode_rewards([reward.episode(t, ex, cfg.data.db_root) for t, ex in zip(trajs, rep)],
-                                    cfg.reward, cfg.env.protocol, reward.conversation_pieces(tok, cfg.env))
-    return trajs, rw, t1 - t0, time.time() - t1
-
-
-_SAMPLERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trained model -> its PolicySampler
+        rws = rewards(trajs, exs, tok, cfg, n=n)
+    return trajs, rws, t1 - t0, time.time() - t1
 
 
 def summarise(trajs, rewards) -> dict:
@@ -63,20 +74,21 @@ def reduce_summary(s: dict, device) -> dict:
     return {k: v / n for k, v in tot.items()}
 
 
-def evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step: int, prefix="eval"):
-    """Held-out episodes split over ranks (greedy at sampling.eval_temperature 0), their reduced
-    metrics under `prefix/`, logged (log: train.Log) and printed on one line; returns the metrics."""
+def evaluate(sampler: PolicySampler, tok, eval_ex, cfg, rank, world, device, log, step: int, prefix="eval"):
+    """Held-out episodes split over ranks (greedy at sampling.eval_temperature 0) on the sampler's
+    current weights, their reduced metrics under `prefix/`, logged (log: run_log.Log) and printed on
+    one line; returns the metrics."""
     mine = eval_ex[rank::world]
     T = cfg.sampling.eval_temperature  # greedy at 0, else sampled at T (as eval.py does)
     sampling = dataclasses.replace(cfg.sampling, temperature=T) if T > 0 else cfg.sampling
-    trajs, rewards, rollout_s, _ = run_episodes(model, tok, mine, cfg, n=1, seed=cfg.train.seed + 10_000,
-                                                greedy=T == 0, sampling=sampling)
-    m = reduce_summary(summarise(trajs, rewards), device)
+    trajs, rws, rollout_s, _ = run_episodes(sampler, tok, mine, cfg, n=1, seed=cfg.train.seed + 10_000,
+                                            greedy=T == 0, sampling=sampling)
+    m = reduce_summary(summarise(trajs, rws), device)
     m = {f"{prefix}/{k}": v for k, v in m.items()}
     # error recovery (eval.py generate's rule): episodes whose first query failed or returned no
     # rows, and of those the ones that still ended right; counts summed over ranks
-    bad = [eval_lib.first_query_bad(t.steps) for t in trajs]
-    n_bad, n_rec = all_sum([sum(bad), sum(b and bool(r["exec_match"]) for b, r in zip(bad, rewards))], device)
+    bad = [env.first_query_bad(t.steps) for t in trajs]
+    n_bad, n_rec = all_sum([sum(bad), sum(b and bool(r["exec_match"]) for b, r in zip(bad, rws))], device)
     m.update({f"{prefix}/first_query_bad": n_bad, f"{prefix}/recovered": n_rec})
     if n_bad:
         m[f"{prefix}/recovery_rate"] = n_rec / n_bad
@@ -89,7 +101,7 @@ def evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step: int, pref
 
 
 def show_samples(log, trajs, rewards, exs, k=2):
-    """Print the first k episodes in full with their reward and the gold (log: train.Log)."""
+    """Print the first k episodes in full with their reward and the gold (log: run_log.Log)."""
     for t, r, ex in list(zip(trajs, rewards, exs))[:k]:
         log.print(f"--- sample (reward {r['reward']:+.2f}, exec {r['exec_match']}, stop {t.stop_reason}, "
                   f"turns {t.num_turns}, tool calls {t.num_tool_calls}) "

@@ -5,20 +5,27 @@
 
 `score`: PRED has one SQL per line (line i <-> gold line i); GOLD has Spider's `SQL<TAB>db_id`
 lines; databases are DIR/<db_id>/<db_id>.sqlite. Prints EX over the examples whose database
-exists and how many were skipped because it does not. --out writes one JSON line per example
+exists and is usable, and how many were skipped because it is missing or unusable (empty, corrupt,
+unreadable: named on the same line). --out writes one JSON line per example
 (index, db_id, exec_match, skipped, error). --verdicts compares our verdicts with a file of the
 official evaluator's (fields index, exec_match, skipped) and prints the agreement.
 In spider mode each prediction line goes through the official evaluation.py's input handling:
 stripped, cut at its first TAB, " value " -> " 1 ". Other modes use the stripped line whole.
 
-    python eval.py generate --model DIR --data FILE.jsonl --db-root DIR [--n K] [--temperature T]
+    python eval.py generate --model runs/tiny/ckpt_000024 [--out DIR]          # a checkpoint: its run's settings
+    python eval.py generate --model DIR [--data FILE.jsonl] [--db-root DIR] [--n K] [--temperature T]
                             [--max-turns N] [--config YAML] [--out DIR] [--limit N] [--group.key=value ...]
     torchrun --standalone --nproc_per_node=2 eval.py generate ... [--samples K]   # split over ranks
       (torchrun reads `--n` as an ambiguous abbreviation of its own options: write --samples there)
 
-`generate`: multi-turn episodes with rollout.rollout (the training code), greedy unless
---temperature > 0 (default: the config's sampling.eval_temperature); the YAML supplies env /
-sampling / data / reward settings, flags and --group.key=value override it. Writes in --out:
+`generate`: multi-turn episodes, then their rewards, as training runs them (policy_sampler.py,
+episodes.rewards), greedy unless --temperature > 0 (default: the config's
+sampling.eval_temperature). The settings (env / sampling / data / reward, train.threads) are a
+checkpoint's own config.yaml when --model is a checkpoint (ckpt_<step>/ or its hf/) and --config
+is not given, else --config's, else the defaults; flags and --group.key=value override them;
+--data and --db-root default to data.eval_path and data.db_root. Nothing is downloaded: a
+--model that is not a model folder is an error at once. Examples whose gold query fails on its
+database are skipped and counted (as train.py's evals skip them). Writes in --out:
 predictions.sql (one SQL per line in data order, on one line; a failed episode, i.e. no valid
 solution, writes PLACEHOLDER, which always scores wrong; with --n > 1 the majority vote by
 execution result), gold.sql (`SQL<TAB>db_id`, for `score`), traces.jsonl (one line per episode:
@@ -51,8 +58,11 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
+import env
 import reward
+import runguard
 import sandbox
 import spider_score
 
@@ -62,6 +72,9 @@ import spider_score
 
 def cmd_score(args) -> None:
     t0 = time.time()
+    for flag, path in (("--pred", args.pred), ("--gold", args.gold)):
+        if not os.path.isfile(path):
+            raise runguard.RunError(f"{flag} {path}: no such file")
     with open(args.pred) as fh:
         pred_lines = fh.read().split("\n")
     if pred_lines and pred_lines[-1] == "":
@@ -69,10 +82,18 @@ def cmd_score(args) -> None:
     gold = spider_score.read_gold(args.gold)
     recs = spider_score.score(pred_lines, gold, args.db_root, args.mode, timeout_s=args.timeout,
                  keep_distinct=args.keep_distinct, workers=args.workers)
+    unusable = unusable_databases(recs, args.db_root)  # corrupt, empty, unreadable: skipped, named
+    for r in recs:
+        if r["db_id"] in unusable:
+            r.update(skipped=True, exec_match=False, error=unusable[r["db_id"]])
     done = [r for r in recs if not r["skipped"]]
     hits = sum(r["exec_match"] for r in done)
+    n_bad = sum(r["db_id"] in unusable for r in recs)
+    bad = (f", {n_bad} on an unusable database: " + "; ".join(f"{os.path.join(args.db_root, d, d + '.sqlite')}: {why}"
+                                                                for d, why in sorted(unusable.items()))) if n_bad else ""
     print(f"mode {args.mode}: EX {hits}/{len(done)} = {100 * hits / max(1, len(done)):.2f}% "
-          f"({len(recs) - len(done)} skipped: database missing) in {time.time() - t0:.1f}s")
+          f"({len(recs) - len(done)} skipped: {len(recs) - len(done) - n_bad} database missing{bad}) "
+          f"in {time.time() - t0:.1f}s")
     if args.out:
         with open(args.out, "w") as fh:
             for r in recs:
@@ -81,6 +102,18 @@ def cmd_score(args) -> None:
         agree, n, diff = spider_score.compare_verdicts(recs, args.verdicts)
         print(f"agreement with {os.path.basename(args.verdicts)}: {agree}/{n}"
               + (f"; differ at {diff}" if diff else ""))
+
+
+def unusable_databases(recs: list[dict], db_root: str) -> dict[str, str]:
+    """{db_id: what is wrong} for the databases present but not usable: an empty (0-byte) file, not
+    a SQLite file, unreadable, no tables. Their examples would all score wrong for a reason that is
+    no prediction's fault; `score` skips them and says why in its summary line."""
+    import dataset
+    out = {}
+    for db_id in sorted({r["db_id"] for r in recs if not r["skipped"]}):
+        if problem := dataset.database_problem(os.path.join(db_root, db_id, db_id + ".sqlite")):
+            out[db_id] = problem
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -106,7 +139,7 @@ def one_line(sql: str) -> str:
 
 
 def decoding_label(temperature: float, top_p: float, n: int) -> str:
-    """How predictions were decoded; scores move by up to 10 points with it (GUIDE §3)."""
+    """How predictions were decoded: greedy, sampling or majority vote move scores by up to 10 points."""
     if temperature == 0:
         return "greedy"
     s = f"sampling T={temperature:g}" + (f" top_p={top_p:g}" if top_p < 1 else "")
@@ -154,24 +187,24 @@ def turns_of(t, tokenizer) -> list[dict]:
     return out
 
 
-def generate_chunk(model, tok, exs: list[dict], first: int, cfg, n: int, seed: int, greedy: bool) -> list[dict]:
+def generate_chunk(sampler, tok, exs: list[dict], first: int, cfg, n: int, seed: int, greedy: bool) -> list[dict]:
     """Episodes of exs (global indices first, first+1, ...) -> one record per episode, example-major.
-    The seed depends on the chunk only, so any split over ranks gives the same episodes."""
-    import rollout
-    import distributed
-    trajs = rollout.rollout(model, tok, exs, cfg.env, cfg.sampling, cfg.data, cfg.data.db_root,
-                            n=n, seed=seed, greedy=greedy, dtype=distributed.compute_dtype(cfg))
+    Rollout then reward as training runs them (sampler.rollout, episodes.rewards), the answer
+    scored as its predictions.sql line. The seed depends on the chunk only, so any split over
+    ranks gives the same episodes."""
+    import dataset
+    import episodes
+    trajs = sampler.rollout(tok, exs, cfg.env, cfg.data, cfg.data.db_root, n=n, seed=seed, greedy=greedy)
     reps = [ex for ex in exs for _ in range(n)]  # rollout is example-major too
     lines = [one_line(t.final_sql) if t.finished else "" for t in trajs]
     spider = cfg.reward.mode == "spider"  # score the line as `score` will read it
-    eps = [reward.episode(t, ex, cfg.data.db_root, spider_score.official_pred_text(line) if spider else line)
-           for t, ex, line in zip(trajs, reps, lines)]
-    rws = reward.episode_rewards(eps, cfg.reward, cfg.env.protocol, reward.conversation_pieces(tok, cfg.env))
+    answers = [spider_score.official_pred_text(line) if spider else line for line in lines]
+    rws = episodes.rewards(trajs, exs, tok, cfg, n=n, final_sqls=answers)
     keys = [None] * len(trajs)
     if n > 1:  # majority vote needs each answer's result
-        todo = [i for i, (r, e) in enumerate(zip(rws, eps)) if r["format_ok"] and e["final_sql"].strip()]
-        res = sandbox.run_sql_batch([(eps[i]["db_path"], eps[i]["final_sql"]) for i in todo],
-                                timeout_s=cfg.reward.timeout_s, max_rows=reward.REWARD_MAX_ROWS)
+        todo = [i for i, (r, a) in enumerate(zip(rws, answers)) if r["format_ok"] and a.strip()]
+        res = sandbox.run_sql_batch([(dataset.abs_db_path(reps[i], cfg.data.db_root), answers[i]) for i in todo],
+                                    timeout_s=cfg.reward.timeout_s, max_rows=reward.REWARD_MAX_ROWS)
         for i, r in zip(todo, res):
             keys[i] = result_key(r.rows, cfg.reward.mode) if r.ok else None
     recs = []
@@ -184,15 +217,8 @@ def generate_chunk(model, tok, exs: list[dict], first: int, cfg, n: int, seed: i
                      "error": rw["error"] or None, "stop_reason": t.stop_reason, "finished": t.finished,
                      "num_turns": t.num_turns, "num_tool_calls": t.num_tool_calls,
                      "response_tokens": int(sum(t.loss_mask)), "turns": turns_of(t, tok),
-                     "first_query_bad": first_query_bad(t.steps), "_key": keys[k]})
+                     "first_query_bad": env.first_query_bad(t.steps), "_key": keys[k]})
     return recs
-
-
-def first_query_bad(steps: list[dict]) -> bool:
-    """Did the episode's first SQL tool call (`<sql>` or the actions protocol's QUERY; DESCRIBE and
-    SAMPLE are not queries) fail, time out or return no rows? steps: env.step_record dicts."""
-    first = next((s for s in steps if s["kind"] in ("sql", "query")), None)
-    return first is not None and (not first["ok"] or first["n_rows"] == 0)
 
 
 def summarise_generation(recs: list[dict], n: int, label: str) -> tuple[dict, list[str]]:
@@ -235,50 +261,117 @@ def spider_db_root(exs: list[dict]) -> str | None:
     return roots.pop() if len(roots) == 1 and all(ex["db_file"].endswith(".sqlite") for ex in exs) else None
 
 
+def resolve_model(path: str) -> tuple[str, str]:
+    """--model: an HF folder, a checkpoint folder (ckpt_<step>/, whose hf/ is read) or a checkpoint's
+    hf/ -> (the HF folder, the checkpoint's config.yaml or "" when it is no checkpoint's)."""
+    import config as C
+    p = os.path.normpath(path)
+    if not os.path.isdir(p):
+        raise C.ConfigError(f"--model {path}: no such folder" if not os.path.exists(p) else f"--model {path}: not a folder")
+    if os.path.isfile(os.path.join(p, "config.yaml")) and not os.path.isfile(os.path.join(p, "config.json")):
+        ckpt, hf = p, os.path.join(p, "hf")  # the checkpoint folder itself
+        if not os.path.isdir(hf):
+            lora_only = os.path.isdir(os.path.join(p, "adapter"))
+            raise C.ConfigError(f"--model {path}: a checkpoint without hf/" + (
+                " (a LoRA run saves only adapter/ unless model.lora_save_merged; eval.py reads merged weights)"
+                if lora_only else ""))
+    elif os.path.basename(p) == "hf" and os.path.isfile(os.path.join(os.path.dirname(p), "config.yaml")):
+        ckpt, hf = os.path.dirname(p), p
+    else:
+        return p, ""
+    return hf, os.path.join(ckpt, "config.yaml")
+
+
+def generate_config(args):
+    """The run's settings: the checkpoint's own config.yaml (its prompt template, turns, tokens per
+    turn, reward mode) when --model is a checkpoint and --config is not given, else --config, else
+    the defaults; then --group.key=value, then the flags. -> (cfg, the HF folder, where the settings
+    came from)."""
+    import yaml
+
+    import config as C
+    import config_checks
+    model_dir, ckpt_config = resolve_model(args.model)
+    base, source = None, args.config or "the defaults (no --config, --model is no checkpoint)"
+    if not args.config and ckpt_config:
+        try:
+            base = C.from_dict(yaml.safe_load(Path(ckpt_config).read_text()) or {})
+        except (OSError, yaml.YAMLError) as e:
+            raise C.ConfigError(f"cannot read the checkpoint's config {ckpt_config}: {e}") from None
+        source = f"{ckpt_config} (the checkpoint's)"
+    cfg = C.load_config(([args.config] if args.config else []) + args.overrides, base=base)
+    for flag, value, ok in (("--n/--samples", args.n, args.n >= 1), ("--chunk", args.chunk, args.chunk >= 1),
+                            ("--limit", args.limit, args.limit >= 0), ("--max-turns", args.max_turns, args.max_turns >= 0),
+                            ("--threads", args.threads, args.threads is None or args.threads >= 0),
+                            ("--temperature", args.temperature, args.temperature is None or args.temperature >= 0)):
+        if not ok:
+            raise C.ConfigError(f"{flag} must be >= {1 if flag in ('--n/--samples', '--chunk') else 0}, "
+                                f"got {value}")
+    if args.db_root:
+        cfg.data.db_root = args.db_root
+    if args.max_turns:
+        cfg.env.max_turns = args.max_turns
+    config_checks.validate(cfg)  # world 1: an eval's ranks put no constraint on the config
+    config_checks.check_model_folder(model_dir, "--model")
+    return cfg, model_dir, source
+
+
 def cmd_generate(args) -> None:
+    # nothing is downloaded at run time: without this a --model that is not a folder is taken for a
+    # hub name and retried for ~50 s (read when huggingface_hub is first imported)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    t0 = time.time()
+    cfg, model_dir, source = generate_config(args)  # before torch is imported: a bad flag fails at once
     import torch
     from transformers import AutoTokenizer
 
-    import config as C
     import dataset
     import distributed
     import malloc_tuning
-    from model import Transformer
-
-    t0 = time.time()
-    try:  # the YAML (optional) + --group.key=value overrides, as train.py reads them
-        cfg = C.load_config(([args.config] if args.config else []) + args.overrides)
-    except C.ConfigError as e:
-        raise SystemExit(f"config error: {e}")
-    cfg.data.db_root = args.db_root
-    if args.max_turns:
-        cfg.env.max_turns = args.max_turns
+    from policy_sampler import PolicySampler
+    data = args.data or cfg.data.eval_path
     T = cfg.sampling.eval_temperature if args.temperature is None else args.temperature
     if args.n > 1 and T == 0:
-        raise SystemExit("--n > 1 needs --temperature > 0 (greedy samples would all be the same)")
+        raise runguard.RunError("--n > 1 needs --temperature > 0 (greedy samples would all be the same)")
     greedy = T == 0
     if not greedy:
         cfg.sampling.temperature = T
     label = decoding_label(T, cfg.sampling.top_p, args.n)
+    exs = dataset.load_examples(data, cfg.data.db_root, args.limit)  # every rank: the same files, the same error
     rank, world, device = distributed.setup_dist(cfg.train.dist_timeout_s)
     if device.type == "cpu":  # large CPU tensors reuse freed heap memory, no fresh pages per step
         malloc_tuning.keep_freed_memory()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = cfg.train.threads if args.threads is None else args.threads  # tiny.yaml: 1 per process
+    if threads:
+        torch.set_num_threads(threads)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    exs = dataset.load_examples(args.data, args.db_root, args.limit)
-    tok = AutoTokenizer.from_pretrained(args.model)
+    say(f"[{label}] settings from {source}: template {cfg.data.prompt_template}, protocol {cfg.env.protocol} "
+        f"({cfg.env.conversation}), max_turns {cfg.env.max_turns}, max_new_tokens {cfg.sampling.max_new_tokens}, "
+        f"max_context {cfg.sampling.max_context}, reward mode {cfg.reward.mode}")
+    # a gold that fails on its database could never be matched: skipped and counted, as train.py's
+    # evals skip it (each rank runs a share; all ranks skip the same ones)
+    mine_idx = list(range(rank, len(exs), world))
+    errors = [""] * len(exs)
+    for i, err in distributed.all_gather_list([(i, e) for i, e in zip(
+            mine_idx, dataset.gold_failures([exs[i] for i in mine_idx], cfg.reward)) if e]):
+        errors[i] = err
+    exs, note = dataset.drop_failing_golds(exs, errors, data)
+    n_gold_failed = sum(bool(e) for e in errors)
+    if note:
+        say(f"WARNING: {note}")
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     # a full copy per rank in the compute dtype, no FSDP2: inference only (no fp32 masters needed)
     # and ranks decode different chunks, which sharded weights (lock-step all-gathers) would forbid
-    model = Transformer.from_pretrained(args.model, dtype=distributed.compute_dtype(cfg), device=device)
-    say(f"[{label}] {args.model} on {args.data}: {len(exs)} examples x {args.n}, max_turns {cfg.env.max_turns}, "
-        f"{world} process(es), reward mode {cfg.reward.mode}")
+    sampler = PolicySampler.from_pretrained(model_dir, cfg.sampling, dtype=distributed.compute_dtype(cfg),
+                                            device=device)
+    say(f"[{label}] {model_dir} on {data}: {len(exs)} examples x {args.n}, {world} process(es), chunks of "
+        f"{args.chunk} (a progress line after each)")
     # fixed chunks dealt round-robin to ranks: the same rollout calls whatever the world size
     starts = list(range(0, len(exs), args.chunk))
     mine, recs = list(enumerate(starts))[rank::world], []
     t_gen = time.time()
     for done, (c, s) in enumerate(mine, 1):
-        recs += generate_chunk(model, tok, exs[s:s + args.chunk], s, cfg, args.n,
+        recs += generate_chunk(sampler, tok, exs[s:s + args.chunk], s, cfg, args.n,
                                args.seed * 1_000_003 + c, greedy)
         n_ep = max(1, len(recs))
         approx = min(len(exs), sum(min(args.chunk, len(exs) - s) for _, s in mine[:done]) * world)
@@ -292,8 +385,10 @@ def cmd_generate(args) -> None:
     if rank == 0:
         recs.sort(key=lambda r: (r["index"], r["sample"]))
         summary, preds = summarise_generation(recs, args.n, label)
-        summary.update({"model": args.model, "data": args.data, "reward_mode": cfg.reward.mode,
-                        "max_turns": cfg.env.max_turns, "temperature": T, "top_p": cfg.sampling.top_p,
+        summary.update({"model": model_dir, "data": data, "settings": source, "skipped_gold_fails": n_gold_failed,
+                        "reward_mode": cfg.reward.mode, "prompt_template": cfg.data.prompt_template,
+                        "max_turns": cfg.env.max_turns, "max_new_tokens": cfg.sampling.max_new_tokens,
+                        "temperature": T, "top_p": cfg.sampling.top_p,
                         "seed": args.seed, "world_size": world, "time_s": time.time() - t0})
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "predictions.sql"), "w") as fh:
@@ -327,19 +422,21 @@ def cmd_generate(args) -> None:
 def add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="multi-turn rollouts of a model on a dataset, scored",
                        description="Extra --group.key=value arguments override the config (as in train.py).")
-    g.add_argument("--model", required=True, help="HF folder (a checkpoint's hf/ folder)")
-    g.add_argument("--data", required=True, help="canonical jsonl (dataset.py)")
-    g.add_argument("--db-root", required=True, help="the records' db_path is relative to this")
+    g.add_argument("--model", required=True, help="HF folder, a checkpoint (ckpt_<step>/) or its hf/")
+    g.add_argument("--data", default="", help="canonical jsonl (dataset.py; default: the config's data.eval_path)")
+    g.add_argument("--db-root", default="", help="the records' db_path is relative to this (default: data.db_root)")
     g.add_argument("--n", "--samples", dest="n", type=int, default=1,  # torchrun takes --n as its own
                    help="samples per example (> 1: pass@k, majority vote); under torchrun write --samples")
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: sampling.eval_temperature)")
     g.add_argument("--max-turns", type=int, default=0, help="generations per episode (default: the config's)")
-    g.add_argument("--config", default="", help="YAML with env / sampling / data / reward settings")
+    g.add_argument("--config", default="", help="YAML with env / sampling / data / reward settings (default: the "
+                   "checkpoint's own config.yaml when --model is a checkpoint)")
     g.add_argument("--out", default="runs/eval", help="output folder")
     g.add_argument("--limit", type=int, default=0, help="first N examples only")
     g.add_argument("--chunk", type=int, default=32, help="examples per rollout call (progress granularity)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--threads", type=int, default=0, help="torch threads per process (0 = torch's choice)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch threads per process (0 = torch's choice; default: the config's train.threads)")
     g.set_defaults(fn=cmd_generate)
 
 
@@ -370,4 +467,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(runguard.run_main(main))  # a user error: one line (rank 0), exit 1

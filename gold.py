@@ -180,16 +180,6 @@ def end_of_turn_id(tokenizer) -> int:
     return tokenizer.eos_token_id
 
 
-def render_prompts(tokenizer, examples, data_cfg, protocol, db_root) -> list[list[int]]:
-    """Prompt ids exactly as rollout.rollout renders them."""
-    return [rollout.render_prompt(tokenizer, ex, data_cfg, protocol, db_root) for ex in examples]
-
-
-def observation_ids(tokenizer, obs: str, conversation: str) -> list[int]:
-    """Observation ids exactly as rollout.rollout appends them after a turn that ended in a stop string."""
-    return rollout.observation_ids(tokenizer, obs, conversation)
-
-
 def build_dataset(examples, prompts, tokenizer, cfg: C.Config, db_paths) -> list[tuple[list[int], list[int]]]:
     """(ids, mask) of every gold episode that fits sampling.max_context (longer ones are left out;
     none fitting is an error: the warm start would have nothing to train on)."""

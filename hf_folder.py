@@ -1,4 +1,4 @@
-"""Hugging Face model folders: load one into model.Transformer, save one that transformers loads.
+"""Hugging Face model folders: load one into a model.Transformer, save one that transformers loads.
 
 A folder is config.json + model.safetensors, or shards listed in model.safetensors.index.json.
 Loading builds the model on the meta device and assigns the tensors read from the files
@@ -7,8 +7,10 @@ config in HF's names (missing, unexpected, wrong shape: one error listing all). 
 q/k/v into qkv_proj and gate/up into gate_up_proj (one matmul each): from_hf / to_hf are the only
 name mapping. Saving streams one shard at a time and replaces the files atomically.
 
-    model = hf_folder.load("runs/tiny/model", dtype=torch.bfloat16, device="cuda")   # = Transformer.from_pretrained
-    hf_folder.save(model, "out/hf", state_dict=None)                                   # = model.save_pretrained
+    model = Transformer.from_pretrained("runs/tiny/model", dtype=torch.bfloat16, device="cuda")  # hf_folder.load
+    model.save_pretrained("out/hf", state_dict=None)                                            # hf_folder.save
+This file knows the folder format and HF's names; model.py knows the model (it imports this file,
+never the other way round: `load` gets the model built from the folder's config.json).
 Tests: .venv/bin/pytest tests/test_model.py (round trips against transformers).
 """
 from __future__ import annotations
@@ -20,17 +22,21 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model import ModelArgs, Transformer
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: model.py imports this module
+    from model import ModelArgs, Transformer
 
 
-def load(path, dtype=None, device=None) -> Transformer:
-    """The model of an HF folder; dtype: default the folder's (float32 when unspecified)."""
+def load(path, build, dtype=None, device=None) -> Transformer:
+    """The model of an HF folder; build(config.json's dict) -> the model (on the meta device here;
+    Transformer.from_pretrained passes its class and ModelArgs.from_hf); dtype: default the
+    folder's (float32 when unspecified)."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise ValueError(f"no config.json in {path!r}: not a Hugging Face model folder")
     with open(cfg_file) as f:
         hf = json.load(f)
-    args = ModelArgs.from_hf(hf)
     if dtype is None:  # the folder's dtype (float32 when unspecified)
         name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         dtype = getattr(torch, name) if isinstance(name, str) else name
@@ -38,7 +44,8 @@ def load(path, dtype=None, device=None) -> Transformer:
         dtype = getattr(torch, dtype)
     device = torch.device(device or "cpu")
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build(hf)
+    args = model.config
     # validate in HF names (what the user sees in the folder), then fuse
     want = {k: t.shape for k, t in to_hf(model.state_dict(), args)}  # meta: no memory
     hf_sd = _read_safetensors(path, dtype, device)

@@ -15,8 +15,11 @@ modules, so an adapter saved here loads into `peft.PeftModel` on the HF model (a
     lora.apply(model, cfg.model)                 # cfg.model.lora_rank > 0; only adapters train
     lora.save_adapter(model, "ckpt/adapter", base_path=path)   # adapter_config.json + safetensors
     lora.load_adapter(model, "ckpt/adapter")     # resume (or start from a PEFT adapter)
-    with lora.merged(model): sample(model)       # W + s B A in place: plain matmuls for decoding
     model.save_pretrained("hf", state_dict=lora.merged_state_dict(model))   # merged HF weights
+
+Rollouts sample merged weights: policy_sampler.PolicySampler.refresh writes merged_weight(W,
+layer.delta_weight()) = W + scale B A into its inference copy (plain matmuls for decoding); the
+trained model itself always keeps W and its adapters apart.
 
     python lora.py configs/skyrl_sql_7b_lora.yaml   # per-device memory of LoRA vs full fine-tune
 
@@ -24,7 +27,6 @@ Tests: .venv/bin/pytest tests/test_lora.py -q (PEFT parity when peft is installe
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -36,7 +38,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+import config as C
+
+TARGETS = C.LORA_TARGETS  # q, k, v, o, gate, up, down
 HF_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
              "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
              "down": "mlp.down_proj"}
@@ -61,19 +65,14 @@ class LoraSpec:
     @classmethod
     def from_config(cls, model_cfg) -> "LoraSpec":
         """From config.ModelConfig's lora_* keys, with errors naming the key."""
-        names = [t.strip() for t in str(model_cfg.lora_targets).split(",") if t.strip()]
-        bad = [t for t in names if t not in TARGETS]
-        if bad or not names:
-            raise ValueError(f"model.lora_targets: {bad or 'empty'} not in {list(TARGETS)} "
-                             f"(comma-separated, e.g. 'q,v' or 'q,k,v,o,gate,up,down')")
+        targets = C.lora_targets(model_cfg)
         if model_cfg.lora_rank <= 0:
             raise ValueError(f"model.lora_rank must be > 0 for LoRA, got {model_cfg.lora_rank}")
         if model_cfg.lora_alpha <= 0:
             raise ValueError(f"model.lora_alpha must be > 0, got {model_cfg.lora_alpha}")
         if not 0.0 <= model_cfg.lora_dropout < 1.0:
             raise ValueError(f"model.lora_dropout must be in [0, 1), got {model_cfg.lora_dropout}")
-        return cls(int(model_cfg.lora_rank), float(model_cfg.lora_alpha),
-                   float(model_cfg.lora_dropout), tuple(t for t in TARGETS if t in names))
+        return cls(int(model_cfg.lora_rank), float(model_cfg.lora_alpha), float(model_cfg.lora_dropout), targets)
 
 
 # -----------------------------------------------------------------------------
@@ -105,7 +104,6 @@ class LoraLinear(nn.Linear):
         layer.lora_B = nn.ParameterDict({
             name: nn.Parameter(torch.zeros(rows, spec.rank, device=dev, dtype=torch.float32))
             for name, rows in parts if name in spec.targets})
-        layer.merged = False
         if dev.type != "meta":
             layer.reset_adapters()
         return layer
@@ -120,11 +118,6 @@ class LoraLinear(nn.Linear):
 
     def forward(self, x):  # x (..., in) -> (..., out)
         y = F.linear(x, self.weight, self.bias)
-        if self.merged:
-            if torch.is_grad_enabled() and any(a.requires_grad for a in self.lora_A.values()):
-                raise RuntimeError("LoRA adapters are merged into the weights: no gradient would "
-                                   "reach them; unmerge (leave lora.merged) before training")
-            return y
         # PEFT draws one dropout mask per HF module; the fused parts share x, hence one mask here
         # (each part's mask has the same distribution; only their correlation differs)
         h = self.lora_dropout(x)
@@ -140,13 +133,7 @@ class LoraLinear(nn.Linear):
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """(out, in) fp32: scaling * B A per part, zero rows for untargeted parts."""
-        rows = []
-        for name, n in self.parts:
-            if name in self.lora_A:
-                rows.append(self.lora_B[name].float() @ self.lora_A[name].float() * self.scaling)
-            else:
-                rows.append(torch.zeros(n, self.in_features, device=self.weight.device))
-        return torch.cat(rows, 0)
+        return part_delta(self.parts, self.lora_A, self.lora_B, self.scaling, self.in_features, self.weight.device)
 
     def extra_repr(self):
         return (f"{self.in_features}, {self.out_features}, parts={[p for p, _ in self.parts]}, "
@@ -200,57 +187,24 @@ def adapter_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 # -----------------------------------------------------------------------------
-# merging (the sampler: plain matmuls instead of 2 extra small ones per part)
+# merging: the one formula, for the sampler's weights (policy_sampler.py) and merged HF exports
 
 
-@torch.no_grad()
-def merge(model):
-    """W += scaling B A in place (fp32 math, rounded once to W's dtype)."""
-    for layer in lora_layers(model).values():
-        if not layer.merged:
-            layer.weight.add_(layer.delta_weight().to(layer.weight.dtype))
-            layer.merged = True
+def part_delta(parts, lora_A, lora_B, scaling: float, in_features: int, device) -> torch.Tensor:
+    """(out, in) fp32 scaling * B A of a fused module's parts, zero rows for untargeted parts.
+    parts: [(name, rows)] in output order; lora_A[name] (r, in), lora_B[name] (rows, r)."""
+    rows = []
+    for name, n in parts:
+        if name in lora_A:
+            rows.append(lora_B[name].float().to(device) @ lora_A[name].float().to(device) * scaling)
+        else:
+            rows.append(torch.zeros(n, in_features, device=device))
+    return torch.cat(rows, 0)
 
 
-@torch.no_grad()
-def unmerge(model):
-    """W -= scaling B A. Not bit-exact (one more rounding): fp32 ~1e-7 relative, bf16 ~4e-3."""
-    for layer in lora_layers(model).values():
-        if layer.merged:
-            layer.weight.sub_(layer.delta_weight().to(layer.weight.dtype))
-            layer.merged = False
-
-
-@contextlib.contextmanager
-def merged(model):
-    """Adapters folded into the weights for the duration (e.g. a rollout); exact restore on exit.
-
-    Under FSDP2 it gathers every sharded module's full weights (as distributed.unsharded does)
-    and merges into those gathered copies; the exit reshards, which drops them, so the sharded
-    base never changes and the next forward gathers it afresh (no extra memory). Without FSDP2
-    it keeps a copy of the adapted weights and copies them back: unmerge's subtraction would
-    move the frozen base by a rounding each rollout (bf16: ~4e-3 relative), and resume would
-    no longer be exact.
-    """
-    from torch.distributed.fsdp import FSDPModule
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for m in sharded:  # reshard_after_forward off: a forward must not swap the merged copies out
-        m.unshard()
-        m.set_reshard_after_forward(False, recurse=False)
-    layers = lora_layers(model).values()
-    originals = [] if sharded else [layer.weight.detach().clone() for layer in layers]
-    merge(model)
-    try:
-        yield model
-    finally:
-        for m in sharded:
-            m.reshard()
-            m.set_reshard_after_forward(True, recurse=False)
-        with torch.no_grad():
-            for layer, w in zip(layers, originals):
-                layer.weight.copy_(w)
-        for layer in layers:
-            layer.merged = False
+def merged_weight(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """W + delta in fp32, rounded once to W's dtype (bf16: one rounding, not two)."""
+    return (weight.float() + delta).to(weight.dtype)
 
 
 @torch.no_grad()
@@ -260,21 +214,12 @@ def merged_state_dict(model, state_dict=None) -> dict[str, torch.Tensor]:
     state_dict: a full state dict of the LoRA model (e.g. FSDP2's get_model_state_dict with
     full_state_dict=True); default model.state_dict(). The model itself is left unchanged.
     """
-    if any(layer.merged for layer in lora_layers(model).values()):
-        raise RuntimeError("merged_state_dict: the adapters are merged into the weights already")
     sd = dict(model.state_dict() if state_dict is None else state_dict)
-    scaling = model.lora_spec.scaling
     for name, layer in lora_layers(model).items():
         w = sd[f"{name}.weight"]
-        delta = torch.zeros(w.shape, dtype=torch.float32, device=w.device)  # (out, in)
-        start = 0
-        for part, rows in layer.parts:
-            if part in layer.lora_A:
-                a = sd.pop(f"{name}.lora_A.{part}").float().to(w.device)  # (r, in)
-                b = sd.pop(f"{name}.lora_B.{part}").float().to(w.device)  # (rows, r)
-                delta[start:start + rows] = b @ a * scaling
-            start += rows
-        sd[f"{name}.weight"] = (w.float() + delta).to(w.dtype)
+        a = {part: sd.pop(f"{name}.lora_A.{part}") for part in layer.lora_A}
+        b = {part: sd.pop(f"{name}.lora_B.{part}") for part in layer.lora_B}
+        sd[f"{name}.weight"] = merged_weight(w, part_delta(layer.parts, a, b, layer.scaling, w.shape[1], w.device))
     return sd
 
 
@@ -369,7 +314,6 @@ def load_adapter(model, folder):
 
 def main(argv=None):
     """Print the per-device memory of a config's LoRA run next to its full fine-tune."""
-    import config as C
     import distributed
     from model import ModelArgs, Transformer
     argv = list(sys.argv[1:] if argv is None else argv)

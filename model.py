@@ -8,9 +8,15 @@ folders that transformers loads with the same logits.
 
     from model import Transformer
     model = Transformer.from_pretrained("runs/tiny/model")
-    logits = model(input_ids)                                  # (B, T) -> (B, T, V)
-    logp, ent = model(ids, targets=tgt, temperature=0.6)       # (B, T), (B, T)
-    logits = model(ids, positions=pos, cache=PagedBatch(...))  # sampler: paged_attention.PagedBatch
+    logits = model(idx)                                        # (B, T) -> (B, T, V)
+    logp, ent = model(idx, targets, temperature=0.6)           # (B, T), (B, T): training and scoring
+    logits = model.forward_paged(idx, pos, PagedBatch(...))    # the sampler: over its paged KV cache
+
+Two forwards, one per job. forward(idx, targets) is nanoGPT's, plus what packed training rows
+need (packing.py: positions, the rows' attention from packed_attention.for_rows, loss_index);
+it is the one FSDP2 hooks (always called as model(...)). forward_paged is the sampler's, on a
+plain model (engine/: the inference copy of policy_sampler.py). Attention layers call
+`attention.attend(q, k, v, layer)` on what the forward was given (None: plain causal SDPA).
 
 Internally q/k/v and gate/up are fused (one matmul each: markedly faster decode);
 the only difference from HF names is that fusion (hf_folder.py: `to_hf` / `from_hf`, loading and saving).
@@ -18,15 +24,15 @@ Tests: .venv/bin/pytest tests/test_model.py (checks against transformers).
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import hf_folder
 import paged_attention
 
 FAMILIES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -148,8 +154,9 @@ def rotate(x, cos, sin):  # x (B, T, H, D); cos/sin (B, T, 1, D): HF's rotate_ha
 
 
 class Attention(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, layer: int):
         super().__init__()
+        self.layer = layer  # this layer's index in the sampler's paged KV cache
         self.h, self.hk, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.qkv_proj = nn.Linear(a.hidden_size, (self.h + 2 * self.hk) * self.d, bias=a.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.d, a.hidden_size, bias=a.o_bias)
@@ -157,7 +164,9 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(self.d, a.rms_norm_eps), RMSNorm(self.d, a.rms_norm_eps)
         self.qk_norm = a.qk_norm
 
-    def forward(self, x, cos, sin, kv=None, mask=None):
+    def forward(self, x, cos, sin, attention=None):
+        """x (B, T, C). attention: None = plain causal; else a packed row's (packed_attention.py)
+        or the sampler's paged cache (paged_attention.Plan): its attend(q, k, v, layer)."""
         B, T, _ = x.shape
         H, Hk, D = self.h, self.hk, self.d
         qkv = self.qkv_proj(x)  # (B, T, (H + 2 Hk) D)
@@ -167,34 +176,12 @@ class Attention(nn.Module):
             q, k = rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin)
         else:  # q and k are adjacent in the fused projection: one RoPE over all H + Hk heads
             q, k = rotate(qkv[..., :(H + Hk) * D].view(B, T, H + Hk, D), cos, sin).split([H, Hk], 2)
-        if kv is None:  # full sequence (training, scoring): plain causal, or a packed row's mask
-            if hasattr(mask, "attend"):  # CPU packed rows: segment_attention.SegmentRows
-                return self.o_proj(mask.attend(q, k, v).reshape(B, T, H * D))
-            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            if mask is None:
-                y = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
-            elif isinstance(mask, torch.Tensor):  # (B, 1, T, T) bool, True = may attend (CPU path)
-                y = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
-            else:  # a FlexAttention BlockMask (CUDA): fused, never a (T, T) score matrix
-                y = _flex_attention()(qt, kt, vt, block_mask=mask, enable_gqa=True)
-            return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
-        y = paged_attention.attend(q, k, v, *kv)  # cached (sampler): kv = (paged_attention.Plan, layer index)
+        if attention is None:
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                               enable_gqa=True).transpose(1, 2)
+        else:
+            y = attention.attend(q, k, v, self.layer)  # (B, T, H, D)
         return self.o_proj(y.reshape(B, T, H * D).to(x.dtype))
-
-
-_FLEX = None
-
-
-def _flex_attention():
-    """flex_attention compiled (eager flex is a slow reference loop; compile gives the fused kernel).
-    Default dynamic: the first width compiles static, a second width recompiles once with a symbolic
-    length; dynamic=False would compile every micro-batch width anew and, past dynamo's recompile
-    limit, fall back to the eager loop."""
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-        _FLEX = torch.compile(flex_attention)
-    return _FLEX
 
 
 class MLP(nn.Module):
@@ -209,15 +196,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = Attention(a)
+        self.self_attn = Attention(a, layer)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a)
 
-    def forward(self, x, cos, sin, kv=None, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, mask)
+    def forward(self, x, cos, sin, attention=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -232,7 +219,7 @@ class Transformer(nn.Module):
         super().__init__()
         a = self.config = config
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(Block(a) for _ in range(a.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(a, i) for i in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
@@ -252,41 +239,29 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, input_ids, positions=None, cache: paged_attention.PagedBatch | None = None, targets=None,
-                temperature: float = 1.0, logits_at=None, attn_mask=None, loss_index=None):
-        """cache: the sampler's paged KV cache; positions (B, T) are then required.
-        logits_at: (B,) long -> only the logits at position logits_at[b] of each row, (B, V)
-        (the sampler's prefill/extend: never (B, T, V) for long prompts and a 152k vocab).
+    def forward(self, idx, targets=None, *, positions=None, attention=None, loss_index=None, temperature: float = 1.0):
+        """idx (B, T) long. targets None: logits (B, T, V). targets (B, T): (logprobs of targets,
+        entropy), each (B, T), of logits / temperature, in chunks over T so (B, T, V) fp32 logits
+        are never all alive at once (7B vocab is 152k).
 
-        Training/scoring (no cache): targets (B, T) -> (logprobs, entropy) each (B, T). Packed rows
-        (packing.py): attn_mask is a segment_attention.SegmentRows (CPU), a (B, 1, T, T) bool tensor
-        or a FlexAttention BlockMask (CUDA), and
-        loss_index (N,) picks flat positions b*T + t whose next token is in the loss; then targets is
-        (N,) and the LM head and log-softmax run on those N positions only -> logprobs, entropy (N,).
-        A position may appear several times (a shared prompt's last token predicts G responses)."""
-        B, T = input_ids.shape
-        dev = input_ids.device
-        plan, attention = None, contextlib.nullcontext()
-        if cache is not None:
-            if positions is None:
-                raise ValueError("a forward with a KV cache needs the tokens' positions")
-            plan = paged_attention.prepare(cache, positions)  # slots, masks: once for all layers
-            attention = paged_attention.fused_attention_only(dev)
-        elif positions is None:
-            positions = torch.arange(T, device=dev)[None, :]
-        h = self.embed_tokens(input_ids)  # (B, T, C)
+        Packed rows (packing.forward): positions (B, T) (a response continues its prompt's
+        positions; default arange), attention (packed_attention.for_rows: who attends to whom;
+        default causal), loss_index (N,): the flat positions b*T + t whose next token is scored;
+        then targets is (N,), the LM head and log-softmax run on those N positions only ->
+        logprobs, entropy (N,). A position may appear several times (a shared prompt's last
+        token predicts G responses)."""
+        B, T = idx.shape
+        if positions is None:
+            positions = torch.arange(T, device=idx.device)[None, :]
+        h = self.embed_tokens(idx)  # (B, T, C)
         cos, sin = self._rope(positions, h.dtype)  # compute dtype (FSDP2 mixed precision: bf16)
-        ckpt = self.activation_checkpointing and torch.is_grad_enabled() and cache is None
-        with attention:
-            for i, layer in enumerate(self.layers):
-                kv = None if plan is None else (plan, i)
-                if ckpt:
-                    h = checkpoint(layer, h, cos, sin, kv, attn_mask, use_reentrant=False)
-                else:
-                    h = layer(h, cos, sin, kv, attn_mask)
+        ckpt = self.activation_checkpointing and torch.is_grad_enabled()
+        for layer in self.layers:
+            if ckpt:
+                h = checkpoint(layer, h, cos, sin, attention, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, attention)
         h = self.norm(h)
-        if logits_at is not None:
-            return self.lm_head(h[torch.arange(B, device=dev), torch.as_tensor(logits_at, device=dev)])
         if targets is None:
             return self.lm_head(h)
         if loss_index is not None:  # (N, C) hidden states of the loss positions only, as one row
@@ -295,6 +270,24 @@ class Transformer(nn.Module):
             # module drops its pre-backward hook. A copy of N floats is free.
             return lp[0].clone(), ent[0].clone()
         return self._logprobs(h, targets, temperature)
+
+    def forward_paged(self, idx, positions, batch: paged_attention.PagedBatch, logits_at=None):
+        """The sampler's forward over its paged KV cache (a plain model: engine/, cuda_graphs.py).
+        idx, positions (B, T) long; token t of row b is written to slot batch.slots[b, t] and sees
+        the row's cached tokens at positions <= positions[b, t]. -> logits (B, T, V), or with
+        logits_at (B,) long only those at position logits_at[b] of each row, (B, V) (a prefill
+        never builds (B, T, V) for long prompts and a 152k vocab)."""
+        B, T = idx.shape
+        plan = paged_attention.prepare(batch, positions)  # slots, masks: once for all layers
+        h = self.embed_tokens(idx)
+        cos, sin = self._rope(positions, h.dtype)
+        with paged_attention.fused_attention_only(idx.device):
+            for layer in self.layers:
+                h = layer(h, cos, sin, plan)
+        h = self.norm(h)
+        if logits_at is not None:
+            return self.lm_head(h[torch.arange(B, device=idx.device), torch.as_tensor(logits_at, device=idx.device)])
+        return self.lm_head(h)
 
     def _logprobs(self, h, targets, temperature):
         """(logprobs, entropy), each (B, T), of logits/temperature, in chunks over T.
@@ -334,10 +327,8 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, path, dtype=None, device=None) -> "Transformer":
         """The model of a local HF folder (config.json + safetensors); dtype: default the folder's."""
-        import hf_folder  # imports this module
-        return hf_folder.load(path, dtype, device)
+        return hf_folder.load(path, lambda hf: cls(ModelArgs.from_hf(hf)), dtype, device)
 
     def save_pretrained(self, path, state_dict=None, max_shard_bytes: int = 4 << 30):
         """Write an HF folder that transformers loads; state_dict: a full one (FSDP2), default ours."""
-        import hf_folder
         hf_folder.save(self, path, state_dict, max_shard_bytes)

@@ -4,7 +4,7 @@ AdamW over the parameters train.py passes: under FSDP2 these are the fp32 master
 moments are fp32 and sharded too, whatever model.dtype computes in.
 
     opt, sched = make_optimizer(model, cfg.optim, lr, warmup_steps, total_steps)
-    stepped = step_optimizer(model, opt, sched, cfg, stats)   # clip, skip if non-finite, step
+    grad_norm = step_optimizer(model, opt, sched, cfg.optim)   # clip, skip if non-finite, step
 
 Tests: pytest tests/test_train.py -k lr_schedule
 """
@@ -42,15 +42,14 @@ def make_optimizer(model, o: C.OptimConfig, lr: float, warmup: int, total: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total, o.schedule, o.min_lr_ratio))
 
 
-def step_optimizer(model, optimizer, scheduler, cfg, stats) -> bool:
-    """Clip, check for non-finite gradients (skip the step if any), step. Returns True if stepped.
-    Gradients are freed afterwards (set to None) so they are not held through the next rollout."""
-    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+def step_optimizer(model, optimizer, scheduler, o: C.OptimConfig) -> float:
+    """Clip to o.grad_clip, step unless the gradient norm is non-finite. Returns the norm before
+    clipping (non-finite: the step was skipped). Gradients are freed afterwards (set to None) so
+    they are not held through the next rollout."""
+    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
     gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-    stats["_grad_norm"] = [float(gn), 1.0]
-    ok = bool(torch.isfinite(gn))
-    if ok:
+    if torch.isfinite(gn):
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return ok
+    return float(gn)

@@ -7,8 +7,7 @@ decode step (one token per row) reads them one of two ways, chosen by `PagedKVCa
 (config sampling.paged_attention: auto = flex on CUDA, gather on CPU):
 
 - gather, the reference and the CPU path: index_select every row's blocks into a dense
-  (B, Hk, S, D) tensor padded to the longest row, then SDPA with a mask. On a CPU the engine keeps
-  a contiguous mirror of the decode batch's K/V (model_runner.DecodeRows) and the step reads that.
+  (B, Hk, S, D) tensor padded to the longest row, then SDPA with a mask.
 - flex: FlexAttention over the pool in place, nothing copied. A layer's pool is viewed as one
   sequence of (n_blocks + 1) * block_size tokens; a BlockMask lists each row's physical blocks
   (its block table) and a mask cuts its last block at the row's position. On CUDA the query
@@ -17,8 +16,8 @@ decode step (one token per row) reads them one of two ways, chosen by `PagedKVCa
   Chunks of several tokens (prefill, observations) always gather.
 
     cache = PagedKVCache.for_model(model, n_blocks, block_size, dtype, attention="auto")
-    plan = prepare(PagedBatch(cache, slots, block_tables), positions)   # once per forward
-    y = attend(q, k, v, plan, layer)                                    # every layer
+    logits = model.forward_paged(idx, positions, PagedBatch(cache, slots, block_tables))
+        # inside: plan = prepare(batch, positions) once, then every layer plan.attend(q, k, v, layer)
 
 Tests: .venv/bin/pytest tests/test_paged_attention.py tests/test_model.py
 """
@@ -94,7 +93,6 @@ class PagedBatch:
     slots: torch.Tensor  # (B, T) long: block * block_size + offset of each token (scratch for padding)
     block_tables: torch.Tensor | None  # (B, NB) long: each row's blocks in order, scratch-padded
     # None: no row has cached tokens, so attention is causal within the chunk (right padding is harmless)
-    mirror: tuple | None = None  # CPU gather decode: (k, v, rows), see attend
 
 
 @dataclass
@@ -107,6 +105,10 @@ class Plan:
     mask: torch.Tensor | None = None
     flex: bool = False  # a decode step read in place
     block_mask: object = None  # flex: the BlockMask over the pool's blocks, built by the first layer
+
+    def attend(self, q, k, v, layer: int):
+        """What model.Attention calls: attend(q, k, v, self, layer) below."""
+        return attend(q, k, v, self, layer)
 
 
 def prepare(batch: PagedBatch, positions: torch.Tensor) -> Plan:
@@ -143,8 +145,7 @@ def attend(q, k, v, plan: Plan, layer: int) -> torch.Tensor:
     """Write k/v into their slots of `layer`, then attend over each row's blocks. -> (B, T, H, D)
 
     q (B, T, H, D); k, v (B, T, Hk, D). Fresh chunks (no block tables): causal within the chunk.
-    A decode step reads the blocks in place (flex), a contiguous mirror (plan.batch.mirror, CPU) or
-    a gather of them; longer chunks gather.
+    A decode step reads the blocks in place (flex) or a gather of them; longer chunks gather.
     """
     batch = plan.batch
     cache = batch.cache
@@ -164,17 +165,8 @@ def attend(q, k, v, plan: Plan, layer: int) -> torch.Tensor:
             return y
     table = batch.block_tables.reshape(-1)
     S = plan.mask.shape[-1]
-    if batch.mirror is not None:
-        # mirror (decode, T = 1): (k, v (n_layers, B, Hk, W, D), rows (B Hk,)): the decode batch's
-        # K/V kept contiguous across steps by the engine; the new token is written there too (at flat
-        # row rows[b Hk + h] of k[layer].view(-1, D)) and attention reads it instead of gathering.
-        mk, mv, rows = batch.mirror[0][layer], batch.mirror[1][layer], batch.mirror[2]
-        mk.view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
-        mv.view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
-        kc, vc = mk[:, :, :S], mv[:, :, :S]  # (B, Hk, S, D)
-    else:
-        kc = k_pool.index_select(0, table).view(B, S, Hk, D).transpose(1, 2)  # (B, Hk, S, D) strided view
-        vc = v_pool.index_select(0, table).view(B, S, Hk, D).transpose(1, 2)
+    kc = k_pool.index_select(0, table).view(B, S, Hk, D).transpose(1, 2)  # (B, Hk, S, D) strided view
+    vc = v_pool.index_select(0, table).view(B, S, Hk, D).transpose(1, 2)
     return sdpa(q, kc, vc, plan.mask)
 
 

@@ -1,8 +1,9 @@
 """The policy's sampler for a whole run: an inference copy of the weights and one engine, kept.
 
     sampler = PolicySampler(model, sampling_cfg, dtype=torch.bfloat16)  # model: the trained one
-    sampler.refresh(model)                     # after every update: weights copied in place
+    sampler.refresh(model)                     # after every optimizer step: weights copied in place
     trajs = sampler.rollout(tok, examples, env_cfg, data_cfg, db_root, n=5, seed=step)
+    sampler = PolicySampler.from_pretrained(hf_folder, sampling_cfg, dtype=torch.bfloat16)   # eval.py
 
 The trained model is FSDP2-sharded (fp32 masters, maybe LoRA adapters); sampling on it would
 gather every unit for the rollout and rebuild the engine (KV pool, buffers, CUDA graphs) each
@@ -11,11 +12,11 @@ so CUDA graphs are captured on it once per (batch, blocks) bucket for the run) a
 engine.Engine whose KV pool holds sampling.kv_budget_tokens tokens, allocated once; every rollout
 resets the engine's scheduler and blocks and reuses the rest.
 
-refresh() is the one unshard-and-merge path for rollouts: it gathers the FSDP2 units one at a
-time (root, then each block: the peak is one unit gathered on top of the copy), folds LoRA
-adapters into their base weights with lora.merge's math (W + (scaling B A in fp32) rounded to W's
-dtype once) and copies into the copy's parameters in place (their addresses, which captured
-graphs read, never change). A model without FSDP2 is copied the same way.
+refresh() is the one unshard-and-merge path: it gathers the FSDP2 units one at a time (root, then
+each block: the peak is one unit gathered on top of the copy), folds LoRA adapters into their
+base weights (lora.merged_weight: W + scaling B A in fp32, rounded to W's dtype once) and copies
+into the copy's parameters in place (their addresses, which captured graphs read, never change).
+A model without FSDP2 is copied the same way. The trained model is never changed.
 
 Memory: one compute-dtype copy of the weights per rank (7B in bf16: ~15 GB) on top of the
 trainer's shards, plus the KV pool (sampling.kv_budget_tokens x the model's KV bytes per token).
@@ -26,10 +27,11 @@ from __future__ import annotations
 import torch
 
 import lora
+import rollout
 from distributed import fsdp_modules
 from engine.engine import Engine
-from model import Transformer
 from engine.sampling import StopChecker
+from model import Transformer
 
 
 class PolicySampler:
@@ -38,22 +40,35 @@ class PolicySampler:
         (call refresh before sampling). cfg: config.SamplingConfig (its block size and KV budget
         size the pool). dtype: the compute dtype (default: the model's first parameter's)."""
         first = next(model.parameters())
-        self.device = torch.device(device) if device is not None else _local(first).device
-        self.dtype = dtype or first.dtype
+        device = torch.device(device) if device is not None else _local(first).device
+        dtype = dtype or first.dtype
         with torch.device("meta"):
             copy = Transformer(model.config)
-        copy = copy.to_empty(device=self.device)
+        copy = copy.to_empty(device=device)
         if model.config.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
             copy.lm_head.weight = copy.embed_tokens.weight
         for p in copy.parameters():
-            p.data = p.data.to(self.dtype)
+            p.data = p.data.to(dtype)
         copy.fp32_lm_head = getattr(model, "fp32_lm_head", False)
-        self.model = copy.eval().requires_grad_(False)
-        self.cfg = cfg
+        self._keep(copy, cfg, dtype)
+        self.refreshed = False
+
+    @classmethod
+    def from_pretrained(cls, path, cfg, *, dtype: torch.dtype, device=None) -> "PolicySampler":
+        """The sampler of an HF folder's weights (eval.py generate: no trained model to copy from),
+        loaded straight into the inference model; refresh is then never needed."""
+        sampler = cls.__new__(cls)
+        sampler._keep(Transformer.from_pretrained(path, dtype=dtype, device=device), cfg, dtype)
+        sampler.refreshed = True
+        return sampler
+
+    def _keep(self, model, cfg, dtype):
+        """The inference model and its engine, kept for the run."""
+        self.model, self.cfg, self.dtype = model.eval().requires_grad_(False), cfg, dtype
+        self.device = model.embed_tokens.weight.device
         # the pool: the whole budget, allocated once (an empty stop rule until the first rollout)
         self.engine = Engine(self.model, cfg, StopChecker(None, [], []), worst_case=[cfg.kv_budget_tokens],
-                             dtype=self.dtype)
-        self.refreshed = False
+                             dtype=dtype)
 
     @torch.no_grad()
     def refresh(self, model) -> None:
@@ -74,10 +89,10 @@ class PolicySampler:
                         continue
                     if name not in dst:
                         raise KeyError(f"refresh: {name} has no parameter in the inference model")
-                    target = dst[name]
-                    target.copy_(param.detach())
-                    if name in adapters and not adapters[name].merged:
-                        target.add_(adapters[name].delta_weight().to(target.dtype))
+                    value = param.detach()
+                    if name in adapters:  # LoRA: W + scale B A, the one merge formula
+                        value = lora.merged_weight(value, adapters[name].delta_weight())
+                    dst[name].copy_(value)
             finally:
                 if units:
                     unit.reshard()
@@ -87,7 +102,6 @@ class PolicySampler:
                 seed: int = 0, greedy: bool = False, logits_hook=None, stats: dict | None = None):
         """rollout.rollout on the inference copy through the kept engine. sampling_cfg: this
         rollout's (e.g. an eval temperature; default the sampler's); same block size."""
-        import rollout
         if not self.refreshed:
             raise RuntimeError("PolicySampler.rollout before refresh(model): the copy holds no weights")
         return rollout.rollout(self.model, tokenizer, examples, env_cfg, sampling_cfg or self.cfg, data_cfg, db_root,

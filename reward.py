@@ -62,11 +62,6 @@ class GoldCache:
 _GOLD = GoldCache()
 _CUR_YEAR = re.compile(r"YEAR\s*\(\s*CURDATE\s*\(\s*\)\s*\)\s*", re.I)  # the evaluator's rewrite
 
-# sql_env's dense shaping (GUIDE §2), per step; step rewards clamped to CLAMP
-DENSE = {"exec_ok": 0.02, "new_info": 0.01, "new_info_cap": 0.10, "repeat": -0.01, "step": -0.005,
-         "progress": 0.15}
-CLAMP = (-0.2, 0.5)
-
 # -----------------------------------------------------------------------------
 # the official evaluator's text handling (spider mode)
 
@@ -242,54 +237,36 @@ def format_ok(response_text: str, finished: bool, template_pieces: tuple[str, ..
     return True, ""
 
 
-def dense_shaping(steps: list[dict], gold: list | None) -> float:
-    """sql_env's shaping over an actions episode (GUIDE §2). Per step: step cost; a repeated action
-    (same kind + normalised arg) costs `repeat` and earns nothing else (so repeats cannot be farmed);
-    a new successful action earns exec_ok + new_info (new_info capped over the episode); a QUERY
-    earns progress × the gain in Jaccard(rows, gold rows) over the best so far. Each step clamped."""
+def dense_shaping(steps: list[dict], gold: list | None, cfg: RewardConfig) -> float:
+    """sql_env's shaping over an actions episode, per step (cfg.dense_*): a step cost; a repeated
+    action (same kind + normalised arg) costs `repeat` and earns nothing else (so repeats cannot be
+    farmed); a new successful action earns exec_ok + new_info (new_info capped over the episode);
+    a QUERY earns progress x the gain in Jaccard(rows, gold rows) over the best so far. Each step
+    clamped to [dense_step_min, dense_step_max]."""
     seen, info, best, total = set(), 0.0, 0.0, 0.0
     gold_set = set(map(tuple, gold)) if gold is not None else None
     for s in steps:
         if s["kind"] == "answer":  # the terminal reward scores it
             continue
-        r = DENSE["step"]
+        r = cfg.dense_step
         key = (s["kind"], " ".join((s.get("arg") or "").lower().split()))
         if key in seen:
-            r += DENSE["repeat"]
+            r += cfg.dense_repeat
         else:
             seen.add(key)
             if s.get("ok"):
-                gain = max(0.0, min(DENSE["new_info"], DENSE["new_info_cap"] - info))
+                gain = max(0.0, min(cfg.dense_new_info, cfg.dense_new_info_cap - info))
                 info += gain
-                r += DENSE["exec_ok"] + gain
+                r += cfg.dense_exec_ok + gain
                 if s["kind"] == "query" and gold_set is not None and s.get("rows") is not None:
                     rows = set(map(tuple, s["rows"]))
                     union = rows | gold_set
                     jac = len(rows & gold_set) / len(union) if union else 1.0
                     if jac > best:
-                        r += DENSE["progress"] * (jac - best)
+                        r += cfg.dense_progress * (jac - best)
                         best = jac
-        total += min(max(r, CLAMP[0]), CLAMP[1])
+        total += min(max(r, cfg.dense_step_min), cfg.dense_step_max)
     return total
-
-
-def episode(traj, example: dict, db_root, final_sql: str | None = None) -> dict:
-    """The input episode_rewards scores: one rollout.Trajectory of one dataset record.
-    final_sql: the answer to execute, when the caller rewrote it (default traj.final_sql)."""
-    import dataset
-    return {"db_path": dataset.abs_db_path(example, db_root), "gold_sql": example["gold_sql"],
-            "response": traj.text, "final_sql": traj.final_sql if final_sql is None else final_sql,
-            "finished": traj.finished, "steps": traj.steps}
-
-
-def conversation_pieces(tokenizer, env_cfg) -> tuple[str, ...]:
-    """The chat-template text that the conversation format (env.conversation = conversation)
-    inserts between an assistant turn and an observation (rollout.conversation_wrapper), for
-    format_ok's template_pieces; () in the single-message format, which inserts none."""
-    if getattr(env_cfg, "conversation", "single") != "conversation":
-        return ()
-    import rollout  # lazy: reward.py stays importable without the model side
-    return tuple(p for p in rollout.conversation_wrapper(tokenizer) if p)
 
 
 def episode_rewards(episodes: list[dict], cfg: RewardConfig, protocol: str = "tags",
@@ -315,7 +292,7 @@ def episode_rewards(episodes: list[dict], cfg: RewardConfig, protocol: str = "ta
         # an episode without an ANSWER gets no shaping under dense_needs_answer (see RewardConfig)
         if protocol == "actions" and cfg.dense and (e["finished"] or not cfg.dense_needs_answer):
             reward += dense_shaping(e.get("steps") or [],
-                                    gold_rows(e["db_path"], e["gold_sql"], cfg.mode, cfg.keep_distinct))
+                                    gold_rows(e["db_path"], e["gold_sql"], cfg.mode, cfg.keep_distinct), cfg)
         out.append({"reward": reward, "exec_match": match, "format_ok": fmt_ok, "error": err})
     return out
 

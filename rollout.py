@@ -115,6 +115,15 @@ def conversation_wrapper(tokenizer) -> tuple[str, str, str]:
     return close, head[len(close):], s[o + len(O):]
 
 
+def conversation_pieces(tokenizer, env_cfg) -> tuple[str, ...]:
+    """The chat-template text that the conversation format (env.conversation = conversation)
+    inserts between an assistant turn and an observation (conversation_wrapper), which
+    reward.format_ok removes before its rules run; () in the single-message format, which inserts none."""
+    if getattr(env_cfg, "conversation", "single") != "conversation":
+        return ()
+    return tuple(p for p in conversation_wrapper(tokenizer) if p)
+
+
 def observation_ids(tokenizer, observation: str, conversation: str, last_id: int | None = None) -> list[int]:
     """The ids appended after a turn (tokenized once): the env's observation text as it is in the
     single-message format; in the conversation format the assistant turn closed (unless its last
@@ -291,14 +300,12 @@ class ToolCalls:
            the SQL pool (sandbox.SqlPool runs one call at a time on its workers).
     """
 
-    ASYNC_THREADS = 4  # async: batches stepped at once (a slow one does not hold the next in line)
-
     def __init__(self, env_cfg):
         if env_cfg.tool_wait not in ("fixed", "async"):
             raise ValueError(f"env.tool_wait={env_cfg.tool_wait!r}: expected 'fixed' or 'async'")
         self.cfg, self.pending = env_cfg, deque()  # (due step, trajectories, future), submission order
         self.wait_async = env_cfg.tool_wait == "async"
-        threads = self.ASYNC_THREADS if self.wait_async else 1
+        threads = env_cfg.tool_threads if self.wait_async else 1
         self.thread = ThreadPoolExecutor(threads, thread_name_prefix="tool-calls")
 
     def __enter__(self):

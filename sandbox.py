@@ -1,6 +1,6 @@
 """Sandboxed SQLite execution: hardened read-only connections and a killable worker-process pool.
 
-Sandbox (GUIDE §7): read-only immutable URI; an authorizer that allows only SELECT, READ,
+Sandbox: read-only immutable URI; an authorizer that allows only SELECT, READ,
 FUNCTION, RECURSIVE; ATTACH limit 0 (also stops VACUUM INTO); 4 MB length limit (randomblob(8e8)
 fails at once); temp_store=MEMORY (no temp files); a progress-handler deadline; row and byte caps
 on fetching; invalid UTF-8 decoded with replacement; one statement per call.

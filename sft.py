@@ -7,6 +7,7 @@ Tests: .venv/bin/pytest tests/test_sft.py
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import shutil
@@ -18,11 +19,14 @@ import torch.distributed as dist
 
 import checkpoint
 import dataset
+import episodes
 import gold
 import optim
 import packing
-from distributed import all_sum, compute_dtype, shard
+import rollout
+from distributed import all_sum, compute_dtype, each_micro_batch, shard
 from model import Transformer
+from policy_sampler import PolicySampler
 
 # -----------------------------------------------------------------------------
 # training
@@ -59,15 +63,16 @@ def sft_loss_sum(model, seqs, temperature: float = 1.0, row_tokens: int = 0):
 # the warm start: the SFT loop, and the full-model base of a LoRA run
 
 
-def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate):
+def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log):
     """LoRA runs: SFT the full model, then write it to <out_dir>/base (HF folder), the frozen
     base the adapters train on. Written to a temporary folder and renamed (a kill leaves none).
-    evaluate: episodes.evaluate, as run_sft takes it."""
+    The full model's evals sample on a sampler of its own, freed with it."""
     full = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32, device=device)
     full.set_activation_checkpointing(cfg.model.activation_checkpointing)
     full.fp32_lm_head = cfg.model.fp32_lm_head
     full = shard(full, compute_dtype(cfg), cfg.model.fsdp_unit)
-    run_sft(full, tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate)
+    sampler = PolicySampler(full, cfg.sampling, dtype=compute_dtype(cfg))
+    run_sft(full, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log)
     msd = checkpoint.full_model_state(full)
     if rank == 0:
         final, tmp = Path(checkpoint.lora_base_path(cfg)), Path(cfg.train.out_dir) / ".tmp_base"
@@ -78,39 +83,42 @@ def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, evalu
         log.print(f"warm start: full-model SFT written to {final} (the LoRA base)")
     if dist.is_initialized():
         dist.barrier()
-    del full, msd
+    del full, msd, sampler
 
 
 def stop_check_questions(train_ex: list[dict], s) -> tuple[list[dict], list[dict]]:
     """(the stop check's questions, the warm start's training examples); s: config.SFTConfig.
-    No check (stop_at_train_ex 0): none, all of train_ex. Otherwise 128 questions spread over the
-    training set (it is ordered by database); with stop_check_unseen, those of every k-th database
-    (about 8), which the warm start then leaves out."""
+    No check (stop_at_train_ex 0): none, all of train_ex. Otherwise s.stop_check_questions (128)
+    questions spread over the training set (it is ordered by database); with stop_check_unseen, those
+    of every k-th database (about 8 for 128), which the warm start then leaves out."""
+    n = s.stop_check_questions
     if s.stop_at_train_ex <= 0:
         return [], train_ex
     if not s.stop_check_unseen:
-        return train_ex[::max(1, len(train_ex) // 128)][:128], train_ex
+        return train_ex[::max(1, len(train_ex) // n)][:n], train_ex
     dbs = list(dict.fromkeys(ex["db_id"] for ex in train_ex))
     if len(dbs) < 10:
         raise ValueError(f"sft.stop_check_unseen leaves whole training databases out of the warm start, "
                          f"and the training set has {len(dbs)}: set it false")
     per_db = len(train_ex) / len(dbs)
-    held = set(dbs[::max(1, int(len(dbs) * per_db / 128))])
+    held = set(dbs[::max(1, int(len(dbs) * per_db / n))])
     probe = [ex for ex in train_ex if ex["db_id"] in held]
-    return probe[::max(1, len(probe) // 128)][:128], [ex for ex in train_ex if ex["db_id"] not in held]
+    return probe[::max(1, len(probe) // n)][:n], [ex for ex in train_ex if ex["db_id"] not in held]
 
 
-def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evaluate):
+def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log) -> bool:
     """Warm start on gold trajectories (loss on model-side tokens only, token-mean over the batch).
-    evaluate: episodes.evaluate(model, tok, exs, cfg, rank, world, device, log, step, prefix) -> metrics,
-    for sft.eval_every and the sft.stop_at_train_ex check; log: train.Log."""
+    sampler: the model's PolicySampler, refreshed with the current weights before the evals
+    (sft.eval_every, episodes.evaluate) and the sft.stop_at_train_ex check; log: run_log.Log.
+    Returns whether the sampler holds the final weights (the run stopped right after a check)."""
     s = cfg.sft
     t0 = time.time()
     probe, train_ex = stop_check_questions(train_ex, s)
-    prompts = gold.render_prompts(tok, train_ex, cfg.data, cfg.env.protocol, cfg.data.db_root)
+    prompts = [rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in train_ex]
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]
     data = gold.build_dataset(train_ex, prompts, tok, cfg, db_paths)
     opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
+    synced = False  # the sampler holds this step's weights
     was_training = model.training
     model.train()  # dropout on for the loss (the evals inside run in eval mode: the engine sets it)
     check_every = s.stop_check_every  # stop_check_every_near once a check reaches stop_near_ex
@@ -120,22 +128,26 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evalua
         opt.zero_grad(set_to_none=True)
         tot = 0.0
         mbs = packing.plan(seqs, None, cfg.optim.micro_batch_tokens, cfg.optim.pack_row_tokens)
-        for mb in packing.each_micro_batch(model, mbs, device, backward=True):
+        for mb in each_micro_batch(model, mbs, device, backward=True):
             loss_sum = sft_loss_sum(model, [seqs[j] for j in mb.members], row_tokens=cfg.optim.pack_row_tokens)
             (loss_sum / n_tok * world).backward()
             tot += loss_sum.detach().item()
-        stats = {}
-        optim.step_optimizer(model, opt, sch, cfg, stats)
+        grad_norm = optim.step_optimizer(model, opt, sch, cfg.optim)
+        synced = synced and not math.isfinite(grad_norm)  # a step moved the weights
         loss = all_sum([tot], device)[0] / n_tok
         if (i + 1) % max(1, s.steps // 20) == 0 or i + 1 == s.steps:
-            log.metrics(i + 1, {"sft/loss": loss, "sft/grad_norm": stats["_grad_norm"][0]})
-            log.print(f"sft {i + 1}/{s.steps} | loss {loss:.4f} | gnorm {stats['_grad_norm'][0]:.2f} | "
-                      f"{time.time() - t0:.0f}s")
-        if s.eval_every and (i + 1) % s.eval_every == 0 and i + 1 < s.steps:
-            evaluate(model, tok, eval_ex, cfg, rank, world, device, log, i + 1, prefix="sft/eval")
-        if probe and (i + 1) % max(1, check_every) == 0 and s.stop_check_from <= i + 1 < s.steps:
+            log.metrics(i + 1, {"sft/loss": loss, "sft/grad_norm": grad_norm})
+            log.print(f"sft {i + 1}/{s.steps} | loss {loss:.4f} | gnorm {grad_norm:.2f} | {time.time() - t0:.0f}s")
+        run_eval = s.eval_every and (i + 1) % s.eval_every == 0 and i + 1 < s.steps
+        run_check = probe and (i + 1) % max(1, check_every) == 0 and s.stop_check_from <= i + 1 < s.steps
+        if (run_eval or run_check) and not synced:
+            sampler.refresh(model)  # weight sync: the evals sample this step's weights
+            synced = True
+        if run_eval:
+            episodes.evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, i + 1, prefix="sft/eval")
+        if run_check:
             # all-reduced: every rank sees the same EX and stops at the same step
-            m = evaluate(model, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")
+            m = episodes.evaluate(sampler, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")
             ex, recovery = m["sft/train/ex"], m.get("sft/train/recovery_rate", 1.0)  # absent: none failed
             near = s.stop_near_ex > 0 and ex >= s.stop_near_ex and s.stop_check_every_near > 0
             check_every = s.stop_check_every_near if near else s.stop_check_every
@@ -148,3 +160,4 @@ def run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, evalua
                 break
     model.train(was_training)
     del opt, sch
+    return synced

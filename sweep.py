@@ -96,10 +96,12 @@ def argv_of(overrides: dict) -> list[str]:
 
 
 def validate(config_path: str, points, fixed: dict):
-    """Raise config.ConfigError (config.py's message) for any bad key or value before anything runs."""
+    """Raise config.ConfigError (config.py's and config_checks.py's messages: a bad key, a value out
+    of range, keys that disagree) for any point before anything runs (each point is one process)."""
+    import config_checks
     for name, over in points:
         try:
-            C.load_config([config_path, *argv_of({**fixed, **over})])
+            config_checks.validate(C.load_config([config_path, *argv_of({**fixed, **over})]), world=1)
         except C.ConfigError as e:
             raise C.ConfigError(f"point '{name}': {e}") from None
 

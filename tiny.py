@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+import config as C
 from model import ModelArgs, Transformer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -197,7 +198,7 @@ def prepare_toy_set(data_cfg) -> bool:
     stale = Path(data_cfg.train_path).exists() and (
         not toy_stamp.exists() or toy_stamp.read_text().strip() != str(TOY_VERSION))
     if stale and not _is_toy_set(data_cfg.train_path):
-        raise ValueError(f"data.prepare_toy is true but {data_cfg.train_path} is not a toy set (its records' "
+        raise C.ConfigError(f"data.prepare_toy is true but {data_cfg.train_path} is not a toy set (its records' "
                          f"source is not 'toy'): set data.prepare_toy false to train on it")
     if not stale and Path(data_cfg.train_path).exists():
         return False
@@ -243,7 +244,7 @@ def prepare_assets(cfg):
                   f"stamps): used as it is; delete it to build a tiny model on the toy set just built", flush=True)
     if not (Path(cfg.model.path) / "config.json").exists():
         if not cfg.model.build_tiny:
-            raise FileNotFoundError(f"model.path {cfg.model.path} has no config.json (and model.build_tiny is false)")
+            raise C.ConfigError(f"model.path {cfg.model.path} has no config.json (and model.build_tiny is false)")
         m = cfg.model
         texts = tokenizer_corpus(cfg)
         print(f"building a tiny {m.tiny_family} model + tokenizer in {m.path}", flush=True)

@@ -1,5 +1,6 @@
 """GRPO for multi-turn text-to-SQL under FSDP2. One file, top to bottom: config → process group →
-model → (SFT warm start) → loop (rollout → reward → advantage → update) → log / eval / checkpoint.
+model and its sampler → (SFT warm start) → loop (prompts → rollout → rewards → keep mask →
+advantages → update → optimizer step → weight sync) → log / eval / checkpoint.
 
     torchrun --standalone --nproc_per_node=2 train.py configs/tiny.yaml     # CPU (gloo)
     torchrun --standalone --nproc_per_node=8 train.py configs/skyrl_sql_7b.yaml --train.out_dir=runs/x
@@ -10,8 +11,7 @@ Process group, FSDP2 sharding and the collectives live in distributed.py.
 """
 from __future__ import annotations
 
-import contextlib
-import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -22,72 +22,67 @@ import torch.distributed as dist
 import baseline
 import checkpoint
 import config as C
+import config_checks
 import dataset
+import episodes
 import grpo
 import lora
 import malloc_tuning
 import optim
-import packing
 import plot
 import rollout
-import episodes
-import samples
+import runguard
 import sft
 import tiny
 from distributed import (PeakMemory, all_gather_list, all_sum, close, compute_dtype, memory_estimate,
                          param_count, setup_dist, shard)
 from model import Transformer
-
-# -----------------------------------------------------------------------------
-# logging
-
-
-class Log:
-    """Rank-0 prints, <out_dir>/metrics.jsonl and wandb (online/offline/disabled)."""
-
-    def __init__(self, cfg: C.Config, rank: int):
-        self.rank, self.run = rank, None
-        if rank != 0:
-            return
-        Path(cfg.train.out_dir).mkdir(parents=True, exist_ok=True)
-        self.f = open(Path(cfg.train.out_dir) / "metrics.jsonl", "a")
-        if cfg.wandb.mode != "disabled":
-            import wandb
-            self.run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or None, mode=cfg.wandb.mode,
-                                  config=C.to_dict(cfg), dir=cfg.train.out_dir)
-        self.sample_log = samples.SampleLog(cfg.train.out_dir, self.run)  # samples.jsonl (+ wandb table)
-
-    def print(self, *a):
-        if self.rank == 0:
-            print(*a, flush=True)
-
-    def metrics(self, step: int, m: dict):
-        if self.rank != 0:
-            return
-        self.f.write(json.dumps({"step": step, **{k: float(v) for k, v in m.items()}}) + "\n")
-        self.f.flush()
-        if self.run is not None:
-            self.run.log(m, step=step)
-
+from policy_sampler import PolicySampler
+from policy_update import batch_logprobs, mini_batches, update
+from run_log import Log, Phases
 
 # -----------------------------------------------------------------------------
 # data and prompts
 
 
-def load_split(path: str, limit: int, tok, cfg: C.Config, log: "Log", name: str) -> list[dict]:
-    """Records of one split, minus those whose prompt exceeds data.max_prompt_tokens (or cannot
-    fit sampling.max_context with one generated token): counted and reported, never silent."""
-    exs = dataset.load_examples(path, cfg.data.db_root, limit)
-    lengths = [len(rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root)) for ex in exs]
-    kept, dropped = dataset.fit_prompts(exs, lengths, cfg.data.max_prompt_tokens, cfg.sampling.max_context)
-    if dropped:
-        log.print(f"{name}: dropped {dropped} of {len(exs)} examples whose prompt is longer than "
-                  f"{min(cfg.data.max_prompt_tokens, cfg.sampling.max_context - 1)} tokens "
-                  f"(data.max_prompt_tokens {cfg.data.max_prompt_tokens}, sampling.max_context "
-                  f"{cfg.sampling.max_context})")
-    if not kept:
-        raise C.ConfigError(f"{name}: every prompt of {path} is too long (data.max_prompt_tokens)")
-    return kept
+def load_splits(tok, cfg: C.Config, log: Log, rank: int, world: int) -> tuple[list[dict], list[dict]]:
+    """(train, eval) records. Every problem of both files and their databases is reported at once
+    (DatasetError); records whose gold query fails on its database are dropped and counted (each
+    rank runs a share of the golds; all ranks drop the same ones), as are those whose prompt
+    exceeds data.max_prompt_tokens (or cannot fit sampling.max_context with one generated token)."""
+    d = cfg.data
+    splits, problems = {}, []
+    for name, path, limit in (("train", d.train_path, d.max_train_examples), ("eval", d.eval_path, d.max_eval_examples)):
+        try:
+            splits[name] = dataset.load_examples(path, d.db_root, limit)
+        except dataset.DatasetError as e:
+            problems.append(str(e))
+    if problems:
+        raise dataset.DatasetError("\n".join(problems))
+    both = splits["train"] + splits["eval"]
+    mine = list(range(rank, len(both), world))
+    errors = [""] * len(both)
+    for i, err in all_gather_list([(i, e) for i, e in zip(mine, dataset.gold_failures([both[i] for i in mine], cfg.reward))
+                                   if e]):
+        errors[i] = err
+    n_train = len(splits["train"])
+    out = []
+    for name, path, exs, errs in (("train", d.train_path, splits["train"], errors[:n_train]),
+                                  ("eval", d.eval_path, splits["eval"], errors[n_train:])):
+        exs, note = dataset.drop_failing_golds(exs, errs, name)
+        if note:
+            log.print(f"WARNING: {note}")
+        lengths = [len(rollout.render_prompt(tok, ex, d, cfg.env.protocol, d.db_root)) for ex in exs]
+        kept, dropped = dataset.fit_prompts(exs, lengths, d.max_prompt_tokens, cfg.sampling.max_context)
+        if dropped:
+            log.print(f"{name}: dropped {dropped} of {len(exs)} examples whose prompt is longer than "
+                      f"{min(d.max_prompt_tokens, cfg.sampling.max_context - 1)} tokens "
+                      f"(data.max_prompt_tokens {d.max_prompt_tokens}, sampling.max_context "
+                      f"{cfg.sampling.max_context})")
+        if not kept:
+            raise C.ConfigError(f"{name}: every prompt of {path} is too long (data.max_prompt_tokens)")
+        out.append(kept)
+    return out[0], out[1]
 
 
 class PromptStream:
@@ -110,138 +105,47 @@ class PromptStream:
 
 
 # -----------------------------------------------------------------------------
-# the update
-
-
-@contextlib.contextmanager
-def training_mode(model, training: bool):
-    """model.train(training) inside, the mode it found restored on exit. Only LoRA dropout
-    (model.lora_dropout) reads the mode: on for the SFT and GRPO losses, off wherever logprobs
-    stand for the policy itself (rollouts and evals: the engine sets eval mode; old/ref scoring)."""
-    was_training = model.training
-    model.train(training)
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
-def logprobs_of(model, mbs, temperature: float, device) -> dict[int, torch.Tensor]:
-    """No-grad logprobs of every sequence's loss tokens: {sequence index: (n_loss_tokens,)}.
-    Stored per sequence, so any later packing (mini-batches, epochs) can look them up.
-    Eval mode (no dropout): old logprobs are the behaviour policy's, the one that sampled the
-    tokens without dropout (its sampler logprobs are rollout_logp), and a dropout mask drawn here
-    would add noise to every ratio pi/pi_old that the clip then acts on; the reference is a
-    fixed policy, not a random draw of one."""
-    out = {}
-    with torch.no_grad(), training_mode(model, False):
-        for mb in packing.each_micro_batch(model, mbs, device, backward=False):
-            lp, _ = packing.forward(model, mb, device, temperature)
-            out.update(zip(mb.members, lp.split(mb.counts)))
-    return out
-
-
-def loss_layout(lp_flat, ent_flat, counts, members, old, ref, rollout_lp):
-    """The packed forward's flat loss tokens -> the loss's (members, longest) per-sequence layout,
-    padding masked out. lp_flat, ent_flat: (N,) loss tokens of a micro-batch, counts[k] of them
-    for members[k]; old / ref / rollout_lp: {sequence index: (n_loss_tokens,)} (old None: one update
-    per batch, so old = the current logprobs detached; ref None: no KL term). rollout_lp, the
-    sampler's logprobs, feeds the rollout/trainer mismatch metrics and grpo.rollout_is.
-    Returns lp, ent, mask, old_lp, ref_lp (or None), rollout_lp, each (members, longest)."""
-    lp, ent = packing.pad_flat(lp_flat, counts), packing.pad_flat(ent_flat, counts)
-    mask = packing.pad_flat(torch.ones_like(lp_flat.detach()), counts)
-    old_lp = packing.pad_flat(torch.cat([old[i] for i in members]), counts) if old is not None else lp.detach()
-    ref_lp = packing.pad_flat(torch.cat([ref[i] for i in members]), counts) if ref is not None else None
-    rollout_logp = packing.pad_flat(torch.cat([rollout_lp[i] for i in members]), counts)
-    return lp, ent, mask, old_lp, ref_lp, rollout_logp
-
-
-def update(model, ref_model, optimizer, scheduler, trajs, adv, cfg: C.Config, world: int, device) -> dict:
-    """PPO epochs × mini-batches of optimizer steps on this rank's trajectories (packed rows)."""
-    g, T = cfg.grpo, cfg.sampling.temperature
-    budget = cfg.optim.micro_batch_tokens
-    was_training = model.training
-    model.train()  # the loss forwards run with dropout (logprobs_of() turns it off for old/ref)
-    seqs = [(t.ids, t.loss_mask) for t in trajs]
-    prompt_lens = [len(t.prompt_ids) if t.ids[:len(t.prompt_ids)] == t.prompt_ids else 0 for t in trajs]
-    adv = adv.tolist()
-    # each token's sampler logprob at the loss tokens, aligned like old_logp (rollout/trainer mismatch)
-    rollout_lp = {i: torch.tensor([t.logprobs[j] for j in range(1, len(t.ids)) if t.loss_mask[j]],
-                                  dtype=torch.float32, device=device) for i, t in enumerate(trajs)}
-    # old logprobs: equal to the current ones (detached) when there is a single update per batch
-    need_old = g.ppo_epochs * g.mini_batches > 1
-    row_tokens = cfg.optim.pack_row_tokens
-    all_mbs = packing.plan(seqs, prompt_lens, budget, row_tokens) if need_old or ref_model is not None else []
-    old = logprobs_of(model, all_mbs, T, device) if need_old else {}
-    ref = logprobs_of(ref_model, all_mbs, T, device) if ref_model is not None else {}
-    loss_kw = grpo.loss_kwargs(g, cfg.sampling.max_context)
-    stats, n_steps = {}, 0
-    for epoch in range(g.ppo_epochs):
-        # mini-batch split: contiguous slices of this rank's trajectories
-        n = len(seqs)
-        bounds = [round(k * n / g.mini_batches) for k in range(g.mini_batches + 1)]
-        for k in range(g.mini_batches):
-            idx = list(range(bounds[k], bounds[k + 1]))
-            masks = [torch.tensor(seqs[i][1][1:], dtype=torch.float32) for i in idx]
-            norm = grpo.global_norm(masks, g.loss_agg)
-            optimizer.zero_grad(set_to_none=True)
-            mbs = packing.plan([seqs[i] for i in idx], [prompt_lens[i] for i in idx], budget, row_tokens)
-            for mb in packing.each_micro_batch(model, mbs, device, backward=True):
-                members = [idx[j] for j in mb.members]
-                lp_flat, ent_flat = packing.forward(model, mb, device, T)  # (N,) loss tokens only
-                lp, ent, mask, old_lp, ref_lp, rollout_logp = loss_layout(
-                    lp_flat, ent_flat, mb.counts, members, old if need_old else None, ref or None, rollout_lp)
-                member_adv = torch.tensor([adv[i] for i in members], dtype=torch.float32, device=device)
-                loss, m = grpo.policy_loss(lp, old_lp, member_adv, mask, ref_logp=ref_lp, rollout_logp=rollout_logp,
-                                           norm=norm, entropy=ent, **loss_kw)
-                (loss * world).backward()  # FSDP2 averages gradients over ranks; ×world makes it a sum
-                w = float(mask.sum())
-                for key, v in m.items():
-                    stats.setdefault(key, [0.0, 0.0])
-                    stats[key][0] += float(v) * w
-                    stats[key][1] += w
-            ok = optim.step_optimizer(model, optimizer, scheduler, cfg, stats)
-            n_steps += ok
-    out = {k: v[0] / max(v[1], 1e-9) for k, v in stats.items() if not k.startswith("_")}
-    out["grad_norm"] = stats.get("_grad_norm", [float("nan")])[0]
-    out["skipped"] = float(n_steps < g.ppo_epochs * g.mini_batches)
-    model.train(was_training)
-    return out
-
-
-# -----------------------------------------------------------------------------
 # main
 
 
 def main():
     t_launch = time.time()
-    cfg = C.load_config()
+    # Checks that need no process group come first: a user error (runguard.run_main prints it once,
+    # on rank 0) then stops every rank before any collective, warm start or checkpoint
+    cfg = config_checks.validate(C.load_config(), runguard.launch_world())
+    if not cfg.model.build_tiny or (Path(cfg.model.path) / "config.json").exists():
+        config_checks.check_model_folder(cfg.model.path)
+    out_dir_lock = runguard.lock_out_dir(cfg.train.out_dir) if runguard.launch_rank() == 0 else None  # held till exit
     rank, world, device = setup_dist(cfg.train.dist_timeout_s)
+    runguard.stop_with_launcher()  # torchrun killed (kill -9): its ranks stop, not train on as orphans
+    stop = runguard.StopSignals()  # Ctrl-C / SIGTERM: at once until the loop, then at a step boundary
     if device.type == "cpu":  # large CPU tensors reuse freed heap memory, no fresh pages per step
         malloc_tuning.keep_freed_memory()
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     log = Log(cfg, rank)
     log.print(C.dump(cfg))
-    if rank == 0:
-        tiny.prepare_assets(cfg)
-    if dist.is_initialized():
-        dist.barrier()
+    if cfg.data.prepare_toy or cfg.model.build_tiny:  # the toy recipes: their data and model, when absent
+        runguard.on_rank0(lambda: tiny.prepare_assets(cfg), rank)  # a user error there stops every rank
+    config_checks.check_model_folder(cfg.model.path)
     torch.manual_seed(cfg.train.seed)
 
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    train_ex = load_split(cfg.data.train_path, cfg.data.max_train_examples, tok, cfg, log, "train")
-    eval_ex = load_split(cfg.data.eval_path, cfg.data.max_eval_examples, tok, cfg, log, "eval")
+    tok = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)  # no network at run time
+    train_ex, eval_ex = load_splits(tok, cfg, log, rank, world)
     ck = checkpoint.latest(cfg.train.out_dir) if cfg.train.resume != "false" else None
     if ck:
         checkpoint.check_resumable(ck, cfg, tok)
+    else:
+        log.set_aside()
+        if rank == 0 and (moved := checkpoint.set_aside(cfg.train.out_dir)):
+            log.print(f"note: {cfg.train.out_dir} held an earlier run's checkpoints (train.resume=false): moved to {moved}")
     use_lora = cfg.model.lora_rank > 0
     if use_lora and not ck and cfg.sft.steps > 0:
         # the SFT warm start trains the full model, then LoRA adapts the warm weights: SkyRL's
         # LoRA recipe adapts an already instruction-tuned base, and a rank-r adapter on a random
         # tiny model learns little
-        sft.warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, episodes.evaluate)
+        sft.warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log)
     # fp32 master weights on every world size; model.dtype is the compute dtype (FSDP2 casts).
     # LoRA: the base (model.path, or <out_dir>/base after a warm start) is frozen and shard()
     # keeps it in the compute dtype; only the fp32 adapters are masters
@@ -265,22 +169,27 @@ def main():
     o = cfg.optim
     optimizer, scheduler = optim.make_optimizer(model, o, o.lr, o.warmup_steps,
                                           cfg.train.steps * cfg.grpo.ppo_epochs * cfg.grpo.mini_batches)
-    step, cursor, bad = 0, 0, 0
+    # the sampler: an inference copy of the policy in the compute dtype and one engine, kept for the run
+    sampler = PolicySampler(model, cfg.sampling, dtype=compute_dtype(cfg))
+    step, cursor, bad, synced = 0, 0, 0, False  # synced: the sampler holds the policy's current weights
     if ck:
         extra = checkpoint.load(ck, model, optimizer, scheduler)
         step, cursor = extra["step"], extra["cursor"]
+        log.rewind(extra.get("log_sizes"))  # what was logged after the checkpoint is logged again
         # the config's lr wins over the saved one (a no-op when unchanged: resume stays exact)
         scheduler.base_lrs = [o.lr for _ in optimizer.param_groups]
         for grp, f in zip(optimizer.param_groups, scheduler.lr_lambdas):
             grp["initial_lr"], grp["lr"] = o.lr, o.lr * f(scheduler.last_epoch)
         log.print(f"resumed from {ck} at step {step}")
     else:
-        if cfg.sft.steps > 0 and not use_lora:
-            sft.run_sft(model, tok, train_ex, eval_ex, cfg, rank, world, device, log, episodes.evaluate)
-        checkpoint.save(cfg.train.out_dir, 0, model, optimizer, scheduler, tok, cfg, {"cursor": 0},
-                        keep=cfg.train.keep_checkpoints)
+        if cfg.sft.steps > 0 and not use_lora:  # syncs the sampler before each of its evals
+            synced = sft.run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log)
+        checkpoint.save(cfg.train.out_dir, 0, model, optimizer, scheduler, tok, cfg,
+                        {"cursor": 0, "log_sizes": log.sizes()}, keep=cfg.train.keep_checkpoints)
+    if not synced:
+        sampler.refresh(model)  # weight sync: the weights GRPO starts from
     if step == 0:  # held-out EX before any GRPO step (after the warm start), beside the random floor
-        warm = episodes.evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step)
+        warm = episodes.evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
         if rank == 0:
             baseline.report(eval_ex, cfg, log, warm)
 
@@ -293,67 +202,82 @@ def main():
         ref_model = shard(ref_model.requires_grad_(False), compute_dtype(cfg), cfg.model.fsdp_unit)
 
     stream = PromptStream(len(train_ex), cfg.train.seed, cursor)
-    G, P = cfg.grpo.group_size, cfg.grpo.prompts_per_step
-    assert P % world == 0, f"grpo.prompts_per_step={P} must be divisible by the world size {world}"
-    t_start = time.time()
+    G, P = cfg.grpo.group_size, cfg.grpo.prompts_per_step  # P % world == 0: config_checks.validate
+    rounds = 1 + (cfg.grpo.max_resample_rounds if cfg.grpo.dynamic_sampling else 0)
+    stop.at_step_boundary()  # from here a signal stops the run after its step, with a checkpoint
+    saved_at, stopped = step, 0
+    t_start, first_step = time.time(), step
     speed = {"sampled": 0.0, "rollout_s": 0.0, "trained": 0.0, "update_s": 0.0}  # the last line's tokens/s
-    mem = PeakMemory(device)  # CUDA: peak GB per phase in each step's metrics (mem/*_peak_gb)
+    phase = Phases(PeakMemory(device))  # seconds per phase (time/*) and, on CUDA, peak GB (mem/*_peak_gb)
     while step < cfg.train.steps:
         t0 = time.time()
-        trajs, rws, exs, t_roll, t_rew = [], [], [], 0.0, 0.0
-        seen_t, seen_r, seen_x = [], [], []  # every sampled episode, for logging (before filtering)
-        for rnd in range(1 + (cfg.grpo.max_resample_rounds if cfg.grpo.dynamic_sampling else 0)):
-            idx = stream.take(P)[rank::world]
-            batch = [train_ex[i] for i in idx]
+        trajs, rewards, exs = [], [], []  # the kept episodes (whole groups), this rank's
+        seen_t, seen_r, seen_x = [], [], []  # every sampled episode, for logging (before the keep mask)
+        for rnd in range(rounds):  # more rounds only while dynamic sampling keeps fewer than P groups
+            batch = [train_ex[i] for i in stream.take(P)[rank::world]]  # prompts: this rank's share
             seed = (cfg.train.seed * 1_000_003 + step * 1009 + rnd * 101 + rank) % (2 ** 31)
-            round_trajs, round_rewards, rollout_s, reward_s = episodes.run_episodes(model, tok, batch, cfg, n=G, seed=seed,
-                                                                           greedy=False, mem=mem)
-            t_roll, t_rew = t_roll + rollout_s, t_rew + reward_s
+            with phase("rollout"):  # G multi-turn episodes per prompt, example-major
+                round_trajs = sampler.rollout(tok, batch, cfg.env, cfg.data, cfg.data.db_root, n=G, seed=seed)
+            with phase("reward"):
+                round_rewards = episodes.rewards(round_trajs, batch, tok, cfg, n=G)
             reps = [ex for ex in batch for _ in range(G)]
             seen_t, seen_r, seen_x = seen_t + round_trajs, seen_r + round_rewards, seen_x + reps
+            keep = [True] * len(round_trajs)  # keep mask: dynamic sampling drops groups of equal rewards
             if cfg.grpo.dynamic_sampling:
                 scores = grpo.dynamic_sampling_scores(round_rewards, cfg.grpo.dynamic_sampling_metric)
-                keep = grpo.keep_mask_dynamic(scores, G)
-                keep = keep.repeat_interleave(G).tolist()
-                round_trajs, round_rewards, reps = ([x for x, k in zip(xs, keep) if k]
-                                                    for xs in (round_trajs, round_rewards, reps))
-            trajs, rws, exs = trajs + round_trajs, rws + round_rewards, exs + reps
+                keep = grpo.keep_mask_dynamic(scores, G).repeat_interleave(G).tolist()
+            trajs += [x for x, k in zip(round_trajs, keep) if k]
+            rewards += [x for x, k in zip(round_rewards, keep) if k]
+            exs += [x for x, k in zip(reps, keep) if k]
             if not cfg.grpo.dynamic_sampling or all_sum([min(len(trajs), P // world * G)], device)[0] >= P * G:
                 break
-        trajs, rws, exs = trajs[:P // world * G], rws[:P // world * G], exs[:P // world * G]
-        all_r = all_gather_list([r["reward"] for r in rws])  # global, rank-ordered: groups stay contiguous
+        trajs, rewards, exs = trajs[:P // world * G], rewards[:P // world * G], exs[:P // world * G]
+        # advantages: group-normalised over the all-gathered rewards (rank-ordered: groups stay whole)
+        all_r = all_gather_list([r["reward"] for r in rewards])
         adv_all = grpo.advantages(torch.tensor(all_r, dtype=torch.float32), G, cfg.grpo.advantage, cfg.grpo.adv_eps)
-        offset = sum(all_gather_list([len(rws)])[:rank]) if dist.is_initialized() else 0
-        adv = adv_all[offset:offset + len(rws)]
-        t1 = time.time()
+        offset = sum(all_gather_list([len(rewards)])[:rank]) if dist.is_initialized() else 0
+        adv = adv_all[offset:offset + len(rewards)]
         n_kept, n_seen = all_sum([len(trajs), len(seen_t)], device)
-        if n_kept > 0:  # every rank joins the update (FSDP collectives), even one with no groups kept
-            with mem.phase("update"):
-                m = update(model, ref_model, optimizer, scheduler, trajs, adv, cfg, world, device)
-        else:  # all groups had equal rewards: nothing to learn from, not an error
-            m = {}
-            log.print(f"step {step + 1}: every group had equal rewards: no update")
-        m["kept_frac"] = n_kept / max(n_seen, 1)
-        t_upd = time.time() - t1
+        losses, grad_norms = {}, []  # {metric: [token-weighted sum, tokens]}; one norm per optimizer step
+        with phase("update"):
+            if n_kept > 0:  # every rank joins the update (FSDP collectives), even one with no groups kept
+                logps = batch_logprobs(model, ref_model, trajs, cfg, device)  # old / ref / sampler, once per batch
+                for idx in mini_batches(len(trajs), cfg.grpo):
+                    update(model, trajs, idx, adv, logps, cfg, world, device, losses)  # forward, loss, backward
+                    grad_norms.append(optim.step_optimizer(model, optimizer, scheduler, cfg.optim))  # non-finite: skipped
+            else:  # all groups had equal rewards: nothing to learn from, not an error
+                log.print(f"step {step + 1}: every group had equal rewards: no update")
+        if any(math.isfinite(g) for g in grad_norms):  # the weights changed
+            with phase("sync"):
+                sampler.refresh(model)  # weight sync: the next rollout and eval sample the new policy
         step += 1
+
+        # log / eval / save
+        m = {k: v / max(w, 1e-9) for k, (v, w) in losses.items()}
+        if grad_norms:
+            m.update(grad_norm=sum(grad_norms) / len(grad_norms), grad_norm_max=max(grad_norms),
+                     skipped=float(not all(math.isfinite(g) for g in grad_norms)))
+        m["kept_frac"] = n_kept / max(n_seen, 1)
         bad = bad + 1 if m.get("skipped", 0) else 0
         s = episodes.reduce_summary(episodes.summarise(seen_t, seen_r), device)  # all sampled episodes, not only kept
-        tok_s = s["resp_tokens"] * n_seen / max(t_roll, 1e-9) / world
-        n_trained = all_sum([sum(len(t.ids) for t in trajs)], device)[0]
-        for key, v in (("sampled", s["resp_tokens"] * n_seen), ("rollout_s", t_roll), ("trained", n_trained),
-                       ("update_s", t_upd)):
+        t = phase.pop()
+        tok_s = s["resp_tokens"] * n_seen / max(t["rollout"], 1e-9) / world
+        n_trained = all_sum([sum(len(tr.ids) for tr in trajs)], device)[0]
+        for key, v in (("sampled", s["resp_tokens"] * n_seen), ("rollout_s", t["rollout"]), ("trained", n_trained),
+                       ("update_s", t["update"])):
             speed[key] += v
         dt = time.time() - t0
-        eta = (time.time() - t_start) / (step - (cursor // P)) * (cfg.train.steps - step) if step > cursor // P else 0
+        eta = (time.time() - t_start) / (step - first_step) * (cfg.train.steps - step)
         metrics = {**{f"train/{k}": v for k, v in s.items()}, **{f"train/{k}": v for k, v in m.items()},
-                   "time/rollout": t_roll, "time/reward": t_rew, "time/update": t_upd, "time/step": dt,
-                   "train/tokens_per_s": tok_s, "train/lr": scheduler.get_last_lr()[0], **mem.metrics()}
+                   **{f"time/{k}": v for k, v in t.items()}, "time/step": dt,
+                   "train/tokens_per_s": tok_s, "train/lr": scheduler.get_last_lr()[0], **phase.mem.metrics()}
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
             log.metrics(step, metrics)
             log.print(f"step {step}/{cfg.train.steps} | reward {s['reward']:+.3f} EX {100 * s['ex']:.1f}% "
                       f"fmt-err {100 * s['format_err']:.1f}% turns {s['turns']:.2f} tools {s['tool_calls']:.2f} | "
                       f"clip {m.get('clip_frac', 0):.3f} gnorm {m.get('grad_norm', 0):.3f} | {tok_s:.0f} tok/s | "
-                      f"rollout {t_roll:.1f}s reward {t_rew:.1f}s update {t_upd:.1f}s | ETA {eta / 60:.1f} min")
+                      f"rollout {t['rollout']:.1f}s reward {t['reward']:.1f}s update {t['update']:.1f}s | "
+                      f"ETA {eta / 60:.1f} min")
         if cfg.train.sample_every and step % cfg.train.sample_every == 0:
             episodes.show_samples(log, seen_t, seen_r, seen_x)
             if rank == 0:  # rank 0's episodes: samples.jsonl and the wandb table `samples`
@@ -362,16 +286,24 @@ def main():
             log.print(f"WARNING: non-finite loss/gradient at step {step}: update skipped ({bad} in a row)")
             if bad >= cfg.train.max_bad_steps:
                 raise RuntimeError(f"{bad} non-finite steps in a row: stopping")
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-            episodes.evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step)
+        if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == cfg.train.steps:
+            episodes.evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
         if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
-            if step == cfg.train.steps:
-                episodes.evaluate(model, tok, eval_ex, cfg, rank, world, device, log, step)
             checkpoint.save(cfg.train.out_dir, step, model, optimizer, scheduler, tok, cfg,
-                            {"cursor": stream.cursor}, keep=cfg.train.keep_checkpoints)
+                            {"cursor": stream.cursor, "log_sizes": log.sizes()}, keep=cfg.train.keep_checkpoints)
+            saved_at = step
         if rank == 0 and cfg.train.plot_every and (step % cfg.train.plot_every == 0
                                                   or step == cfg.train.steps):
             plot.refresh(cfg.train.out_dir)
+        if step < cfg.train.steps and (stopped := stop.requested(device)):  # collective: all ranks agree
+            break
+    if stopped:  # SIGINT/SIGTERM (or torchrun gone): keep the steps done, then exit 128 + signal
+        path = checkpoint.save(cfg.train.out_dir, step, model, optimizer, scheduler, tok, cfg,
+                               {"cursor": stream.cursor, "log_sizes": log.sizes()},
+                               keep=cfg.train.keep_checkpoints) if saved_at != step else checkpoint.latest(cfg.train.out_dir)
+        log.print(runguard.stop_line(stopped, step, cfg.train.steps, path))
+        close()
+        raise runguard.Stopped(stopped)
     log.metrics(step, {plot.DONE: 1.0})  # the run's final line: plot.py --follow stops on it
     # the machine's speed beside the wall time: sampled tokens per rollout second (all ranks) and
     # tokens (prompt + response) through the update's forward + backward per update second
@@ -381,9 +313,5 @@ def main():
     close()  # every rank: lets gloo's workers finish before the interpreter exits
 
 
-
 if __name__ == "__main__":
-    try:
-        main()
-    except C.ConfigError as e:
-        sys.exit(f"config error: {e}")
+    sys.exit(runguard.run_main(main))  # a user error: one line on rank 0, exit 1; a stop: 128 + signal

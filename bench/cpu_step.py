@@ -1,14 +1,13 @@
 """CPU time of configs/tiny.yaml's GRPO update and SFT warm-start steps: today's settings vs the
 reference they replaced, interleaved in ONE process (old, new, old, new, ...), medians of ratios.
 
-  old  packing.CPU_DENSE_MASK (SDPA over a dense (B, 1, T, T) mask) with optim.pack_row_tokens
-       512 and micro_batch_tokens 16384, AdamW's per-parameter loop (foreach=False), the LM head
-       checkpointed even as a single chunk (`checkpointed_logprobs`, the code it replaced), SFT
-       without shared prefixes, per-block FSDP2 units: the code and settings before this
-       benchmark was written
-  new  configs/tiny.yaml and the code as they are (segment_attention.py: one causal attention
-       row per sequence; shared prompt prefixes in SFT; foreach AdamW; no single-chunk recompute;
-       model.fsdp_unit model)
+  old  SDPA over a dense (B, 1, T, T) mask (`DenseRows`, the CPU attention packed_attention.py
+       replaced) with optim.pack_row_tokens 512 and micro_batch_tokens 16384, AdamW's
+       per-parameter loop (foreach=False), the LM head checkpointed even as a single chunk
+       (`checkpointed_logprobs`, the code it replaced), per-block FSDP2 units: the code and
+       settings before this benchmark was written
+  new  configs/tiny.yaml and the code as they are (packed_attention.py: one causal attention
+       row per sequence; foreach AdamW; no single-chunk recompute; model.fsdp_unit model)
   --against block: old is today's settings with per-block FSDP2 units (model.fsdp_unit block), so
        the ratios are those of the one-unit layout alone
   --against micro16k: old is today's settings with optim.micro_batch_tokens 16384 (tiny.yaml's
@@ -44,6 +43,7 @@ import time
 import types
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,16 +51,19 @@ sys.path.insert(0, ROOT)
 import config as C  # noqa: E402
 import dataset  # noqa: E402
 import optim  # noqa: E402
+import packed_attention  # noqa: E402
 import packing  # noqa: E402
+import padded  # noqa: E402  (bench/padded.py: the dense mask)
 import gold  # noqa: E402
 import sft  # noqa: E402
 import tiny  # noqa: E402
-import train  # noqa: E402
-from distributed import all_sum, close, setup_dist, shard  # noqa: E402
+import policy_update  # noqa: E402
+from distributed import all_sum, close, each_micro_batch, setup_dist, shard  # noqa: E402
 from model import Transformer  # noqa: E402
+import rollout  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 
-SHARED_PREFIX_LENS = packing.shared_prefix_lens
+FOR_ROWS = packed_attention.for_rows
 OLD = {"pack_row_tokens": 512, "micro_batch_tokens": 16384, "dense": True, "fsdp_unit": "block"}
 BLOCK = {"fsdp_unit": "block"}  # --against block: only the FSDP2 units differ
 MICRO16K = {"micro_batch_tokens": 16384}  # --against micro16k: only the micro-batch size differs
@@ -79,6 +82,19 @@ def checkpointed_logprobs(self, h, targets, temperature):
     return torch.cat(lps, 1), torch.cat(ents, 1)
 
 
+class DenseRows:
+    """The old arm's CPU attention: SDPA over the rows' dense (B, 1, T, T) mask, every pair computed.
+    Built like packed_attention.for_rows, which the old arm's passes are pointed at."""
+
+    def __init__(self, docs, segs, width, device):
+        doc = packing.pad(docs, -1, device, width=width)  # padding: its own unit, so no row is empty
+        self.mask = padded.dense_mask(doc, packing.pad(segs, 0, device, width=width))
+
+    def attend(self, q, k, v, layer=0):  # q (B, T, H, D), k/v (B, T, Hk, D) -> (B, T, H, D)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=self.mask, enable_gqa=True).transpose(1, 2)
+
+
 # -----------------------------------------------------------------------------
 # the batch
 
@@ -88,7 +104,7 @@ def gold_data(cfg, tok, n: int):
     exs = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
     random.Random(0).shuffle(exs)
     exs = exs[:n]
-    prompts = gold.render_prompts(tok, exs, cfg.data, cfg.env.protocol, cfg.data.db_root)
+    prompts = [rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in exs]
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in exs]
     return prompts, gold.build_dataset(exs, prompts, tok, cfg, db_paths)
 
@@ -124,16 +140,19 @@ class Arm:
                 opt.param_groups[0]["foreach"] = False
 
     def update(self, trajs, adv, world, device) -> tuple[float, dict]:
-        packing.CPU_DENSE_MASK = self.dense
+        packed_attention.for_rows = DenseRows if self.dense else FOR_ROWS
         t0 = time.perf_counter()
-        m = train.update(self.model, None, self.opt, self.sch, trajs, adv, self.cfg, world, device)
-        return time.perf_counter() - t0, m
+        sums, grad_norms = {}, []  # the update as train.main runs it
+        logps = policy_update.batch_logprobs(self.model, None, trajs, self.cfg, device)
+        for idx in policy_update.mini_batches(len(trajs), self.cfg.grpo):
+            policy_update.update(self.model, trajs, idx, adv, logps, self.cfg, world, device, sums)
+            grad_norms.append(optim.step_optimizer(self.model, self.opt, self.sch, self.cfg.optim))
+        m = {k: v / max(w, 1e-9) for k, (v, w) in sums.items()}
+        return time.perf_counter() - t0, {**m, "grad_norm": grad_norms[-1]}
 
     def sft_steps(self, batches, world, device) -> tuple[float, list]:
         """sft.run_sft's loop body on each batch; -> (seconds, [(loss, grad norm)])."""
-        packing.CPU_DENSE_MASK = self.dense
-        # the old arm: no prefix sharing across prompts (sft_loss_sum reads it from packing)
-        packing.shared_prefix_lens = (lambda seqs: [0] * len(seqs)) if self.dense else SHARED_PREFIX_LENS
+        packed_attention.for_rows = DenseRows if self.dense else FOR_ROWS
         o, out = self.cfg.optim, []
         t0 = time.perf_counter()
         for seqs in batches:
@@ -141,13 +160,12 @@ class Arm:
             self.sft_opt.zero_grad(set_to_none=True)
             tot = 0.0
             mbs = packing.plan(seqs, None, o.micro_batch_tokens, o.pack_row_tokens)
-            for mb in packing.each_micro_batch(self.model, mbs, device, backward=True):
+            for mb in each_micro_batch(self.model, mbs, device, backward=True):
                 loss_sum = sft.sft_loss_sum(self.model, [seqs[j] for j in mb.members], row_tokens=o.pack_row_tokens)
                 (loss_sum / n_tok * world).backward()
                 tot += loss_sum.detach().item()
-            stats = {}
-            optim.step_optimizer(self.model, self.sft_opt, self.sft_sch, self.cfg, stats)
-            out.append((all_sum([tot], device)[0] / n_tok, stats["_grad_norm"][0]))
+            grad_norm = optim.step_optimizer(self.model, self.sft_opt, self.sft_sch, self.cfg.optim)
+            out.append((all_sum([tot], device)[0] / n_tok, grad_norm))
         return time.perf_counter() - t0, out
 
 

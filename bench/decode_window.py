@@ -26,6 +26,7 @@ import config as C  # noqa: E402
 import dataset  # noqa: E402
 import episodes  # noqa: E402
 from model import Transformer  # noqa: E402
+from policy_sampler import PolicySampler  # noqa: E402
 
 
 def main():
@@ -44,14 +45,17 @@ def main():
                               f"--sampling.decode_steps_per_sync={w}"]) for w in (8, 1)}
     P, G = cfgs[8].grpo.prompts_per_step, cfgs[8].grpo.group_size
     exs = dataset.load_examples(cfgs[8].data.train_path, toy)[:P]
-    # one model (so one PolicySampler and engine) per setting, as a run keeps one
-    models = {w: Transformer.from_pretrained(a.model, dtype=torch.float32) for w in cfgs}
+    # one PolicySampler (so one engine) per setting, as a run keeps one
+    model = Transformer.from_pretrained(a.model, dtype=torch.float32)
+    samplers = {w: PolicySampler(model, cfgs[w].sampling) for w in cfgs}
+    for sampler in samplers.values():
+        sampler.refresh(model)
     times = {w: [] for w in cfgs}
     for rep in range(a.pairs + 1):
         ids = {}
         for w in cfgs:
             t0 = time.time()
-            trajs, _, t_roll, _ = episodes.run_episodes(models[w], tok, exs, cfgs[w], n=G, seed=rep, greedy=False)
+            trajs, _, t_roll, _ = episodes.run_episodes(samplers[w], tok, exs, cfgs[w], n=G, seed=rep, greedy=False)
             ids[w] = [list(t.ids) for t in trajs]
             if rep:
                 times[w].append(t_roll)

@@ -3,8 +3,9 @@
 A random model of bench/sampler.py's shapes with LoRA (default rank 32 on all seven
 projections, SkyRL's recipe) samples B rows of `--new` tokens after a `--prompt`-token prompt
 with rollout.generate (EOS ignored). "adapter": every projection adds its dropout(x) A^T B^T
-per part (2 extra small matmuls per part); "merged": lora.merged folds scale B A into the
-weights for the rollout (its cost, merge + unmerge, is inside the timing). Each pair runs both
+per part (2 extra small matmuls per part); "merged": what training runs, the weight sync
+(PolicySampler.refresh: the adapters folded into the sampler's plain copy, its cost inside the
+timing) then sampling on that copy. Each pair runs both
 back to back in one process; printed: the median over pairs of (adapter time / merged time),
 last as `lora_merged_speedup_b<largest B>: x`.
 
@@ -14,6 +15,7 @@ last as `lora_merged_speedup_b<largest B>: x`.
 On CUDA the adapters are cast to the compute dtype first, as FSDP2's mixed precision does.
 """
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -28,6 +30,7 @@ import tiny  # noqa: E402
 from bench.sampler import SHAPES  # noqa: E402
 from config import ModelConfig, SamplingConfig  # noqa: E402
 from model import Transformer  # noqa: E402
+from policy_sampler import PolicySampler  # noqa: E402
 from rollout import generate  # noqa: E402
 
 
@@ -57,6 +60,8 @@ def main():
             if ".lora_" in n:
                 p.data = p.data.to(dtype)  # FSDP2 mixed precision hands the forward bf16 adapters
     cfg = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=args.new, max_context=args.prompt + args.new + 8)
+    # the sampler's own pool is unused here (generate builds one per call, for both arms): one sequence's worth
+    sampler = PolicySampler(model, dataclasses.replace(cfg, kv_budget_tokens=cfg.max_context), dtype=dtype)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     print(f"shape {args.shape}, {dtype}, LoRA rank {args.rank} on {args.targets}, device {dev}, "
           f"threads {args.threads}, load {os.getloadavg()[0]:.2f}", flush=True)
@@ -69,8 +74,8 @@ def main():
             return generate(model, prompts, cfg, [], None, seed=0, eos=[])
 
         def run_merged():
-            with lora.merged(model):
-                return generate(model, prompts, cfg, [], None, seed=0, eos=[])
+            sampler.refresh(model)
+            return generate(sampler.model, prompts, cfg, [], None, seed=0, eos=[])
 
         run_adapter(), run_merged()  # warm-up
         ratios, ta, tm, agree = [], [], [], []

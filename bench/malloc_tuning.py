@@ -40,9 +40,11 @@ def arm(tuned: bool, model_path: str, prompts: int, sft_steps: int) -> dict:
     import episodes
     import gold
     import optim
+    import rollout
     import sft
     import tiny
     from model import Transformer
+    from policy_sampler import PolicySampler
     cfg = C.load_config([os.path.join(ROOT, "configs", "tiny.yaml")])
     tiny.prepare_toy_set(cfg.data)
     path = model_path or cfg.model.path
@@ -50,11 +52,13 @@ def arm(tuned: bool, model_path: str, prompts: int, sft_steps: int) -> dict:
     model = Transformer.from_pretrained(path, dtype=torch.float32)
     exs = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
     G = cfg.grpo.group_size
-    episodes.run_episodes(model, tok, exs[:8], cfg, n=G, seed=0, greedy=False)  # warm-up
+    sampler = PolicySampler(model, cfg.sampling)
+    sampler.refresh(model)
+    episodes.run_episodes(sampler, tok, exs[:8], cfg, n=G, seed=0, greedy=False)  # warm-up
     t0 = time.perf_counter()
-    episodes.run_episodes(model, tok, exs[8:8 + prompts], cfg, n=G, seed=1, greedy=False)
+    episodes.run_episodes(sampler, tok, exs[8:8 + prompts], cfg, n=G, seed=1, greedy=False)
     t_rollout = time.perf_counter() - t0
-    prompts_txt = gold.render_prompts(tok, exs, cfg.data, cfg.env.protocol, cfg.data.db_root)
+    prompts_txt = [rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in exs]
     data = gold.build_dataset(exs, prompts_txt, tok, cfg, [dataset.abs_db_path(e, cfg.data.db_root) for e in exs])
     opt, sch = optim.make_optimizer(model, cfg.optim, cfg.sft.lr, 0, 1000)
     rng = random.Random(0)
@@ -64,7 +68,7 @@ def arm(tuned: bool, model_path: str, prompts: int, sft_steps: int) -> dict:
         seqs = [data[j] for j in rng.sample(range(len(data)), cfg.sft.batch_size // 2)]
         opt.zero_grad(set_to_none=True)
         (sft.sft_loss_sum(model, seqs) / sum(sum(m[1:]) for _, m in seqs)).backward()
-        optim.step_optimizer(model, opt, sch, cfg, {})
+        optim.step_optimizer(model, opt, sch, cfg.optim)
     step()
     t0 = time.perf_counter()
     for _ in range(sft_steps):

@@ -73,7 +73,7 @@ def observations_only(model, B, obs, turns=5, per_turn=25, prompt=64, block_size
         positions = torch.arange(start, start + len(obs)).expand(B, -1)
         slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
         table = tables[:, :-(-(start + len(obs)) // block_size)]
-        model(x, positions=positions, cache=PagedBatch(cache, slots, table), logits_at=torch.full((B,), len(obs) - 1))
+        model.forward_paged(x, positions, PagedBatch(cache, slots, table), logits_at=torch.full((B,), len(obs) - 1))
 
 
 def main():

@@ -1,5 +1,6 @@
-"""The padded per-sequence update layout: the reference the packed path (packing.py) is measured
-and tested against. Used by bench/train_step.py and tests/test_packing.py, not by training.
+"""The padded per-sequence update layout and the dense attention mask: the references the packed
+path (packing.py, packed_attention.py) is measured and tested against. Used by bench/ and tests/,
+not by training.
 
     for mb in pack([len(t.ids) for t in trajs], budget):      # micro-batches of sequence indices
         lp, ent = token_logprobs(model, ids, temperature)    # ids (B, T) padded
@@ -20,6 +21,17 @@ def pack(lengths: list[int], budget: int) -> list[list[int]]:
             cur = []
         cur.append(i)
     return mbs + ([cur] if cur else [])
+
+
+def dense_mask(doc: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+    """The packed rows' attention rule as a dense (B, 1, T, T) bool mask for SDPA (True = may
+    attend), the reference packed_attention.py is tested against. doc, seg (B, T): query q may see
+    key k iff same unit, k <= q, and k is in the prompt (seg 0) or in q's own response."""
+    ar = torch.arange(doc.shape[1], device=doc.device)
+    causal = ar[None, :] <= ar[:, None]  # (T, T)
+    same = doc[:, :, None] == doc[:, None, :]  # (B, T, T)
+    own = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])
+    return (same & causal & own)[:, None]
 
 
 def token_logprobs(model, ids: torch.Tensor, temperature: float):

@@ -30,8 +30,10 @@ import grpo  # noqa: E402
 import optim  # noqa: E402
 import episodes  # noqa: E402
 import tiny  # noqa: E402
+import policy_update  # noqa: E402
 import train  # noqa: E402
 from model import Transformer  # noqa: E402
+from policy_sampler import PolicySampler  # noqa: E402
 
 
 def main():
@@ -60,6 +62,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
     sch = torch.optim.lr_scheduler.LambdaLR(opt, optim.lr_lambda(0, 100, "constant"))
     stream = train.PromptStream(len(exs), cfg.train.seed)
+    sampler, cpu = PolicySampler(model, cfg.sampling), torch.device("cpu")
     print(f"configs/tiny.yaml: {P} prompts x {G} samples, max_turns {cfg.env.max_turns}, max_new_tokens "
           f"{cfg.sampling.max_new_tokens}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
           f"1 process, {a.threads} threads" + (" (dynamic sampling off here: update on every episode)"
@@ -68,10 +71,14 @@ def main():
     for step in range(a.steps):
         batch = [exs[i] for i in stream.take(P)]
         t0 = time.time()
-        trajs, rw, t_roll, t_rew = episodes.run_episodes(model, tok, batch, cfg, n=G, seed=step, greedy=False)
+        sampler.refresh(model)  # weight sync (train.py: after each optimizer step)
+        trajs, rw, t_roll, t_rew = episodes.run_episodes(sampler, tok, batch, cfg, n=G, seed=step, greedy=False)
         adv = grpo.advantages(torch.tensor([r["reward"] for r in rw]), G, cfg.grpo.advantage, cfg.grpo.adv_eps)
         t1 = time.time()
-        train.update(model, None, opt, sch, trajs, adv, cfg, 1, torch.device("cpu"))
+        logps = policy_update.batch_logprobs(model, None, trajs, cfg, cpu)  # the update as train.main runs it
+        for idx in policy_update.mini_batches(len(trajs), cfg.grpo):
+            policy_update.update(model, trajs, idx, adv, logps, cfg, 1, cpu, {})
+            optim.step_optimizer(model, opt, sch, cfg.optim)
         t_upd = time.time() - t1
         total = time.time() - t0
         s = episodes.summarise(trajs, rw)

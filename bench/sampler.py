@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tiny  # noqa: E402
 from config import SamplingConfig  # noqa: E402
 from model import Transformer  # noqa: E402
+from paged_attention import PagedBatch, PagedKVCache  # noqa: E402
 from rollout import generate  # noqa: E402
 
 SHAPES = {
@@ -60,8 +61,11 @@ def kernels_only(model, prompts: torch.Tensor, new: int) -> None:
     decode steps that run only each layer's GEMMs (qkv, o, gate-up, down), its attention over the
     real cache length, and the LM head. No norms, RoPE, residuals, cache writes or sampling."""
     B, P = prompts.shape
-    model(prompts, logits_at=torch.full((B,), P - 1, device=prompts.device))  # the prefill's compute
     a, w = model.config, model.embed_tokens.weight
+    pool = PagedKVCache.for_model(model, -(-B * P // 16), 16, w.dtype)  # the prefill's compute, K/V writes included
+    model.forward_paged(prompts, torch.arange(P, device=w.device).expand(B, P),
+                        PagedBatch(pool, torch.arange(B * P, device=w.device).view(B, P), None),
+                        logits_at=torch.full((B,), P - 1, device=w.device))
     H, Hk, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
     ck = torch.zeros(a.num_hidden_layers, B, Hk, P + new, D, dtype=w.dtype, device=w.device)  # contiguous K/V
     x = torch.randn(B, 1, a.hidden_size, dtype=w.dtype, device=w.device)

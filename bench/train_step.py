@@ -1,6 +1,6 @@
-"""Training throughput of the GRPO update step (train.update: forward, backward, AdamW).
+"""Training throughput of the GRPO update step (policy_update.update: forward, backward, AdamW).
 
-Default: shared-prompt packing (train.update) vs the padded per-sequence path it replaced
+Default: shared-prompt packing (policy_update.update) vs the padded per-sequence path it replaced
 (`padded_update` below, one padded row per trajectory, every prompt computed G times), same
 model, same batch, interleaved in ONE process (old, new, old, new, ...), median of the per-pair
 ratios. Two batch shapes:
@@ -13,7 +13,7 @@ Prints `update_speedup_shared_prompt_tiny: X` and `update_speedup_shared_prompt_
     .venv/bin/python bench/train_step.py --device cuda [--shape qwen2.5-0.5b]   # bf16: peak memory, MFU
     .venv/bin/python bench/train_step.py --procs [--seqs 64] [--steps 3]         # 1 vs 2 processes (FSDP2, gloo)
 
---procs: tokens/s of train.update, 1 process vs 2 processes (torchrun, FSDP2 over gloo), same
+--procs: tokens/s of policy_update.update, 1 process vs 2 processes (torchrun, FSDP2 over gloo), same
 global batch; the 2-process run gives each rank a contiguous half, as train.py does.
 """
 import argparse
@@ -34,9 +34,10 @@ sys.path.insert(0, ROOT)
 import config as C  # noqa: E402
 import tiny  # noqa: E402
 import distributed  # noqa: E402
+import grpo  # noqa: E402
 import packing  # noqa: E402
 import optim  # noqa: E402
-import train  # noqa: E402
+import policy_update  # noqa: E402
 from padded import pack, token_logprobs  # noqa: E402  (this folder: the padded reference)
 from model import Transformer  # noqa: E402
 from sampler import SHAPES  # noqa: E402
@@ -76,7 +77,7 @@ def group_batch(shape: str, groups: int, vocab: int, seed: int = 0) -> list:
 
 
 def measure(model_dir: str, seqs: int, steps: int) -> dict:
-    """Per-step seconds of train.update on this rank's share (all ranks run this together)."""
+    """Per-step seconds of policy_update.update on this rank's share (all ranks run this together)."""
     cfg = C.load_config([os.path.join(ROOT, "configs", "tiny.yaml")])
     rank, world, device = distributed.setup_dist()
     model = Transformer.from_pretrained(model_dir, dtype=torch.float32, device=device)
@@ -92,9 +93,8 @@ def measure(model_dir: str, seqs: int, steps: int) -> dict:
         if world > 1:
             torch.distributed.barrier()
         t0 = time.perf_counter()
-        m = train.update(model, None, opt, sch, batch[lo:hi], adv[lo:hi], cfg, world, device)
+        gn.append(packed_update(model, opt, sch, batch[lo:hi], adv[lo:hi], cfg, world, device))
         times.append(time.perf_counter() - t0)
-        gn.append(m["grad_norm"])
     tokens = sum(len(t.ids) for t in batch)
     res = {"world": world, "threads": torch.get_num_threads(), "tokens": tokens,
            "loss_tokens": sum(sum(t.loss_mask) for t in batch), "times": times[1:], "grad_norm": gn}
@@ -165,18 +165,26 @@ def padded_update(model, optimizer, scheduler, trajs, adv, cfg, device) -> dict:
     micro_batch_tokens padded tokens, the LM head on every position (ppo_epochs = mini_batches = 1)."""
     g, T = cfg.grpo, cfg.sampling.temperature
     masks = [torch.tensor(t.loss_mask[1:], dtype=torch.float32) for t in trajs]
-    norm = train.grpo.global_norm(masks, g.loss_agg)
+    norm = grpo.global_norm(masks, g.loss_agg)
     optimizer.zero_grad(set_to_none=True)
     for mb in pack([len(t.ids) for t in trajs], cfg.optim.micro_batch_tokens):
         ids = packing.pad([trajs[i].ids for i in mb], 0, device)
         mask = packing.pad([trajs[i].loss_mask for i in mb], 0, device, torch.float32)[:, 1:]
         lp, ent = token_logprobs(model, ids, T)
-        loss, _ = train.grpo.policy_loss(lp, lp.detach(), adv[mb].to(device), mask, clip_low=g.clip_low,
+        loss, _ = grpo.policy_loss(lp, lp.detach(), adv[mb].to(device), mask, clip_low=g.clip_low,
                                          clip_high=g.clip_high, agg=g.loss_agg, norm=norm, entropy=ent)
         loss.backward()
-    stats = {}
-    optim.step_optimizer(model, optimizer, scheduler, cfg, stats)
-    return {"grad_norm": stats["_grad_norm"][0]}
+    return {"grad_norm": optim.step_optimizer(model, optimizer, scheduler, cfg.optim)}
+
+
+def packed_update(model, optimizer, scheduler, trajs, adv, cfg, world, device) -> float:
+    """The update as train.main runs it (packed): batch_logprobs, then per mini-batch policy_update.update
+    and the optimizer step. Returns the last step's gradient norm."""
+    logps = policy_update.batch_logprobs(model, None, trajs, cfg, device)
+    for idx in policy_update.mini_batches(len(trajs), cfg.grpo):
+        policy_update.update(model, trajs, idx, adv, logps, cfg, world, device, {})
+        grad_norm = optim.step_optimizer(model, optimizer, scheduler, cfg.optim)
+    return grad_norm
 
 
 def build(shape: dict, dtype, device):
@@ -223,7 +231,7 @@ def main_ab(a):
               f"{padded_tok}, packed {packed_tok} in {len(mbs)} micro-batches of "
               f"{sum(len(mb.rows) for mb in mbs)} rows", flush=True)
         fns = {"padded": lambda: padded_update(model, opt, sch, trajs, adv, cfg, device),
-               "packed": lambda: train.update(model, None, opt, sch, trajs, adv, cfg, 1, device)}
+               "packed": lambda: packed_update(model, opt, sch, trajs, adv, cfg, 1, device)}
         for fn in fns.values():  # warm-up (and CUDA: kernels, flex compile)
             fn()
         times = {k: [] for k in fns}

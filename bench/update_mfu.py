@@ -1,5 +1,5 @@
 """MFU of the real GRPO update at the 7B recipe's shape: what one micro-batch and one optimizer
-step of train.update cost, against the FLOPs of the useful work.
+step of policy_update.update cost, against the FLOPs of the useful work.
 
 The batch: units of one shared prompt and G responses (each response: a sampled turn, an
 observation that is context but not loss, a second sampled turn), packed by packing.plan into
@@ -8,8 +8,8 @@ weights in the shape of `--shape` (Qwen2.5-7B by default on CUDA, `--layers` of 
 fp32 masters sharded by distributed.shard (FSDP2 on a one-rank mesh), bf16 compute on CUDA
 (fp32 on CPU, where bf16 matmuls are emulated and ~50x slower), activation checkpointing, the LM
 head only on the loss tokens (`loss_index`), configs/skyrl_sql_7b.yaml's loss and optimizer. A
-micro-batch is packing.forward + grpo.policy_loss + backward (CUDA: the FlexAttention mask of
-packing.block_mask; CPU: SDPA with the dense bool mask); a step is train.update over
+micro-batch is packing.forward + grpo.policy_loss + backward (packed_attention.for_rows: CUDA,
+FlexAttention with packed_attention.block_mask; CPU, per-sequence causal SDPA rows); a step is policy_update.update over
 `--micro-batches` rows (forward/backward of each, clip, AdamW).
 
 FLOPs (per multiply-add: 2 in forward, 4 in backward; N = parameters without the input embedding
@@ -20,7 +20,7 @@ and the LM head, L layers, H query heads of width D, C hidden, V vocabulary):
              the recompute of activation checkpointing (every block and the chunked LM head run
              their forward twice); width_tokens include padding; kernel_pairs: what the kernel
              visits (FlexAttention: its partial and full 128x128 blocks; causal SDPA: T(T+1)/2 a
-             row; dense-mask SDPA: T^2 a row)
+             row; CPU segment rows: S(S+1)/2 per attention row, S its bucket's length)
 `update_mfu` = useful FLOP/s over the peak (`--peak-tflops`; CUDA: the device's dense bf16 spec).
 `--compare` times the same micro-batch with a dense causal kernel (SDPA is_causal over the whole
 row, no mask: wrong attention across responses, same tokens), interleaved, to say how much of the
@@ -51,8 +51,9 @@ import config as C  # noqa: E402
 import distributed  # noqa: E402
 import grpo  # noqa: E402
 import optim  # noqa: E402
+import packed_attention  # noqa: E402
 import packing  # noqa: E402
-import train  # noqa: E402
+import policy_update  # noqa: E402
 from long_microbatch import PEAK_BF16_FLOPS, SHAPES  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
@@ -64,7 +65,7 @@ BYTES_PER_PARAM = 20  # fp32 master + fp32 grad + two AdamW moments + foreach Ad
 
 
 def unit(rng: random.Random, vocab: int, prompt: int, group: int, response: int, obs_frac: float) -> list:
-    """One prompt's G trajectories (train.update's fields): sampled turn, observation, sampled turn."""
+    """One prompt's G trajectories (policy_update.update's fields): sampled turn, observation, sampled turn."""
     prompt_ids = [rng.randrange(vocab) for _ in range(prompt)]
     obs = int(response * obs_frac)
     first = (response - obs) // 2
@@ -125,18 +126,19 @@ def flops(a: ModelArgs, n_params: int, tokens: int, loss_tokens: int, pairs: int
 
 def microbatch_flops(a: ModelArgs, n_params: int, mb, width: int, kernel: str) -> dict:
     """Useful and hardware FLOPs of one micro-batch forwarded at `width` tokens a row.
-    kernel: flex (FlexAttention block mask) | causal (SDPA is_causal) | dense (SDPA, bool mask)."""
+    kernel: flex (FlexAttention block mask) | causal (SDPA is_causal) | segments (CPU: per-sequence rows)."""
     doc = packing.pad([r.doc for r in mb.rows], -1, "cpu", width=width)
     seg = packing.pad([r.seg for r in mb.rows], 0, "cpu", width=width)
     B = len(mb.rows)
     tokens, loss_tokens, pairs = sum(len(r.ids) for r in mb.rows), sum(mb.counts), kept_pairs(doc, seg)
     if kernel == "flex":
-        bm = packing.block_mask(doc, seg)
-        kernel_pairs = int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum()) * packing.FLEX_BLOCK ** 2
+        bm = packed_attention.block_mask(doc, seg)
+        kernel_pairs = int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum()) * packed_attention.FLEX_BLOCK ** 2
     elif kernel == "causal":
         kernel_pairs = B * width * (width + 1) // 2
     else:
-        kernel_pairs = B * width * width
+        rows = packed_attention.segment_rows([r.doc for r in mb.rows], [r.seg for r in mb.rows], width, "cpu")
+        kernel_pairs = sum(R * S * (S + 1) // 2 for R, S in (tuple(g.shape) for g in rows.gather))
     return {"tokens": tokens, "width_tokens": B * width, "loss_tokens": loss_tokens, "pairs": pairs,
             "kernel_pairs": kernel_pairs,
             "useful": flops(a, n_params, tokens, loss_tokens, pairs, recompute=False),
@@ -146,9 +148,7 @@ def microbatch_flops(a: ModelArgs, n_params: int, mb, width: int, kernel: str) -
 def forward_width(mb, device) -> int:
     """The width packing.forward pads a micro-batch to (CUDA: multiples of FlexAttention's block)."""
     width = max(len(r.ids) for r in mb.rows)
-    if torch.device(device).type == "cuda" and not all(r.plain for r in mb.rows):
-        width = -(-width // packing.FLEX_BLOCK) * packing.FLEX_BLOCK
-    return width
+    return width if all(r.plain for r in mb.rows) else packed_attention.width(width, device)
 
 
 # -----------------------------------------------------------------------------
@@ -191,17 +191,17 @@ def layers_that_fit(shape: str, tokens: int) -> int:
 
 @contextlib.contextmanager
 def causal_kernel():
-    """packing.forward with no mask: SDPA is_causal over each whole row (same tokens and shapes)."""
-    saved = packing.attention_mask
-    packing.attention_mask = lambda doc, seg: None
+    """packing.forward with no packed attention: SDPA is_causal over each whole row (same tokens and shapes)."""
+    saved = packed_attention.for_rows
+    packed_attention.for_rows = lambda docs, segs, width, device: None
     try:
         yield
     finally:
-        packing.attention_mask = saved
+        packed_attention.for_rows = saved
 
 
 def microbatch_pass(model, mb, cfg, device, sync) -> float:
-    """Seconds of one micro-batch as train.update runs it: forward, policy loss, backward."""
+    """Seconds of one micro-batch as policy_update.update runs it: forward, policy loss, backward."""
     model.zero_grad(set_to_none=True)
     sync()
     start = time.perf_counter()
@@ -214,6 +214,15 @@ def microbatch_pass(model, mb, cfg, device, sync) -> float:
     loss.backward()
     sync()
     return time.perf_counter() - start
+
+
+def optimizer_step(model, opt, sched, trajs, adv, cfg, device):
+    """One optimizer step of the update as train.main runs it: policy_update.update over every
+    micro-batch (one mini-batch), then optim.step_optimizer (clip + AdamW)."""
+    logps = policy_update.batch_logprobs(model, None, trajs, cfg, device)
+    for idx in policy_update.mini_batches(len(trajs), cfg.grpo):
+        policy_update.update(model, trajs, idx, adv, logps, cfg, 1, device, {})
+        optim.step_optimizer(model, opt, sched, cfg.optim)
 
 
 def peak_gib(cuda: bool) -> float:
@@ -229,7 +238,7 @@ def count_only(a):
     margs, n_params = meta.config, non_embedding_params(meta)
     trajs = make_batch(a, margs.vocab_size)
     mb = packing.plan([(t.ids, t.loss_mask) for t in trajs], [len(t.prompt_ids) for t in trajs], a.tokens, 0)[0]
-    width = -(-max(len(r.ids) for r in mb.rows) // packing.FLEX_BLOCK) * packing.FLEX_BLOCK  # as on CUDA
+    width = packed_attention.width(max(len(r.ids) for r in mb.rows), "cuda")  # as on CUDA
     L, HD = margs.num_hidden_layers, margs.num_attention_heads * margs.head_dim
     for kernel in ("flex", "causal"):
         c = microbatch_flops(margs, n_params, mb, width, kernel)
@@ -269,9 +278,9 @@ def mask_cost(device):
         P = min(6144, T // 2)
         doc = torch.zeros(1, T, dtype=torch.long, device=device)
         seg = torch.cat([torch.zeros(P, dtype=torch.long), 1 + torch.arange(T - P) // 500])[None].to(device)
-        ways = {"block_mask": lambda: packing.block_mask(doc, seg)}
+        ways = {"block_mask": lambda: packed_attention.block_mask(doc, seg)}
         if T <= 8192:  # create_block_mask at 32768 allocates ~12 GB
-            ways["create_block_mask"] = lambda: create_block_mask(packing.mask_mod_of(doc, seg), 1, None, T, T,
+            ways["create_block_mask"] = lambda: create_block_mask(packed_attention.mask_mod_of(doc, seg), 1, None, T, T,
                                                                   device=device)
         for name, fn in ways.items():
             with AllocatedBytes() as alloc:
@@ -343,7 +352,7 @@ def main():
     trajs = make_batch(a, margs.vocab_size)
     seqs = [(t.ids, t.loss_mask) for t in trajs]
     mbs = packing.plan(seqs, [len(t.prompt_ids) for t in trajs], a.tokens, 0)
-    kernel = "flex" if cuda else "dense"
+    kernel = "flex" if cuda else "segments"
     counts = [microbatch_flops(margs, n_params, mb, forward_width(mb, device), kernel) for mb in mbs]
     c0 = counts[0]
     causal_pairs = len(mbs[0].rows) * c0["tokens"] * (c0["tokens"] + 1) // 2
@@ -381,22 +390,22 @@ def main():
         ratio = statistics.median(m / c for m, c in zip(times["mask"], times["causal"]))
         print(f"  mask / causal time: {ratio:.2f} (median of interleaved pairs)")
 
-    # one optimizer step: train.update over all micro-batches (clip + AdamW included)
+    # one optimizer step: policy_update.update over all micro-batches (clip + AdamW included)
     adv = torch.tensor([(-1.0) ** i for i in range(len(trajs))])
     model.zero_grad(set_to_none=True)
-    train.update(model, None, opt, sched, trajs, adv, cfg, 1, device)  # warm-up: AdamW states
+    optimizer_step(model, opt, sched, trajs, adv, cfg, device)  # warm-up: AdamW states
     steps = []
     for _ in range(a.iters):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         sync()
         start = time.perf_counter()
-        train.update(model, None, opt, sched, trajs, adv, cfg, 1, device)
+        optimizer_step(model, opt, sched, trajs, adv, cfg, device)
         sync()
         steps.append(time.perf_counter() - start)
     step_count = {k: sum(c[k] for c in counts) for k in ("useful", "hardware")}
     print(f"per optimizer step ({len(mbs)} micro-batches, median of {a.iters}):")
-    step_mfu, step_hw, step_flops = report("train.update", statistics.median(steps), step_count)
+    step_mfu, step_hw, step_flops = report("policy_update.update", statistics.median(steps), step_count)
 
     print(f"update_microbatch_s: {statistics.median(times['mask']):.3f}")
     print(f"update_hw_mfu_microbatch: {mb_hw:.4g}")

@@ -4,7 +4,7 @@
         --synsql-root .../SynSQL-2.5M --spider-root .../spider [--bird-root .../bird]
     python data/prepare_skyrl.py --src data.json --format json --data synsql --synsql-root ... --out ...
 
-Parquet rows (GUIDE §1): data_source, prompt (chat messages), env_class, reward_spec {method,
+Parquet rows (SkyRL-SQL-653's columns): data_source, prompt (chat messages), env_class, reward_spec {method,
 ground_truth = gold SQL}, db_id, data ("synsql" | "spider" | "bird": which database root),
 extra_info {split, index}. The question (and BIRD-style external knowledge) is taken from the
 user message of the prompt (after its last "Question:"), so our own templates can re-render it.

@@ -62,7 +62,7 @@ class DecodeGraphs:
 
     def _forward(self, rows: int, width: int) -> torch.Tensor:
         cache = PagedBatch(self.cache, self.slots[:rows], self.tables[:rows, :width])
-        return self.model(self.tokens[:rows], positions=self.positions[:rows], cache=cache)[:, -1]
+        return self.model.forward_paged(self.tokens[:rows], self.positions[:rows], cache)[:, -1]
 
     def _capture(self, rows: int, width: int):
         # the inputs already hold this step's rows, so the warm-up writes the K/V the replay writes

@@ -22,14 +22,13 @@ Tests: .venv/bin/pytest tests/test_engine.py tests/test_sampling.py
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from engine.block_manager import BlockManager
 from paged_attention import PagedKVCache
-from engine.model_runner import DecodeRows, ModelRunner  # noqa: F401  (DecodeRows: re-exported for tests)
+from engine.model_runner import ModelRunner
 from engine.sampling import StopChecker
 from engine.scheduler import Scheduler, Sequence
-
-PREFILL_TOKENS = 16384  # padded tokens per prefill forward (bounds its attention mask and activations)
 
 
 def window_steps(cfg, device: torch.device) -> int:
@@ -42,14 +41,15 @@ def window_steps(cfg, device: torch.device) -> int:
 
 
 class Engine:
-    MIRROR_ON_CPU = True  # decode reads a contiguous mirror of the batch's K/V (DecodeRows); tests turn it off
-
     def __init__(self, model, cfg, stopper: StopChecker, *, worst_case: list[int], greedy: bool = False,
                  dtype: torch.dtype | None = None, logits_hook=None):
         """cfg: config.SamplingConfig. worst_case: the most tokens each sequence of the work can
         reach (the pool holds the smaller of their sum and cfg.kv_budget_tokens). dtype: the KV
         cache's, i.e. the compute dtype (default: the parameters'). logits_hook(logits (B, V),
         seqs) -> logits: instrumentation for tests and benchmarks (scripted behaviour)."""
+        if isinstance(model, FSDPModule):
+            raise ValueError("the engine samples a plain model: a sharded one samples through its "
+                             "policy_sampler.PolicySampler (an inference copy refreshed from it)")
         self.model, self.cfg, self.stopper = model, cfg, stopper
         weight = model.embed_tokens.weight
         self.device = weight.device
@@ -61,9 +61,8 @@ class Engine:
             raise ValueError(f"sampling.decode_steps_per_sync={cfg.decode_steps_per_sync} must be >= 0 (0 = by device)")
         n_blocks = max(1, min(-(-cfg.kv_budget_tokens // bs), sum(-(-w // bs) for w in worst_case)))
         self.cache = PagedKVCache.for_model(model, n_blocks, bs, dtype or weight.dtype, cfg.paged_attention)
-        mirror = self.device.type == "cpu" and self.MIRROR_ON_CPU and self.cache.attention == "gather"
         self.runner = ModelRunner(model, self.cache, cfg, stopper.candidates(model.config.vocab_size), greedy=greedy,
-                                  logits_hook=logits_hook, mirror=mirror)
+                                  logits_hook=logits_hook)
         self.reset(stopper, worst_case=worst_case, greedy=greedy, logits_hook=logits_hook)
 
     def reset(self, stopper: StopChecker, *, worst_case: list[int], greedy: bool = False, logits_hook=None,
@@ -85,7 +84,7 @@ class Engine:
                              f"{max(worst_case)} tokens: raise sampling.kv_budget_tokens")
         self.stopper = stopper
         self.blocks = BlockManager(n_blocks, bs)
-        self.scheduler = Scheduler(self.blocks, self.cfg.max_decode_rows, PREFILL_TOKENS)
+        self.scheduler = Scheduler(self.blocks, self.cfg.max_decode_rows, self.cfg.prefill_tokens)
         self.runner.reset(stopper.candidates(self.model.config.vocab_size), greedy=greedy, logits_hook=logits_hook)
         self.window = 1 if logits_hook is not None else window_steps(self.cfg, self.device)
         # what a benchmark reads: steps, and per decode step the live rows and the blocks in use

@@ -46,10 +46,10 @@ class DecodeWindow:
 
 class ModelRunner:
     def __init__(self, model, cache: PagedKVCache, cfg, candidates: torch.Tensor, *, greedy: bool = False,
-                 logits_hook=None, mirror: bool = False):
+                 logits_hook=None):
         """cfg: config.SamplingConfig. candidates (V,) bool: tokens that may end a turn (EOS, stop
         strings). logits_hook(logits (B, V), seqs) -> logits: tests and benchmarks."""
-        self.model, self.cache, self.cfg, self.mirror = model, cache, cfg, mirror
+        self.model, self.cache, self.cfg = model, cache, cfg
         self.device = cache.k.device
         self.reset(candidates, greedy=greedy, logits_hook=logits_hook)
         self.graphs = None
@@ -61,7 +61,7 @@ class ModelRunner:
         """A new run: its turn-end candidates, greedy flag and hook; no device rows (the graphs stay)."""
         self.greedy, self.hook = greedy, logits_hook
         self.candidates = candidates.to(self.device)
-        self.rows = DecodeRows(self.device, self.cache.block_size, self.cache.scratch, mirror=self.mirror)
+        self.rows = DecodeRows(self.device, self.cache.block_size, self.cache.scratch)
 
     def sample(self, logits, keys, positions, seqs):
         """tokens (B,), logprobs (B,) for logits (B, V); positions: the sampled tokens' indices."""
@@ -93,8 +93,8 @@ class ModelRunner:
         table = None if fresh else torch.tensor([t + [scratch] * (width - len(t)) for t in tables], device=dev)
         cache = PagedBatch(self.cache, torch.tensor(slots, device=dev), table)
         last = torch.tensor(batch.chunks, device=dev) - 1
-        logits = self.model(torch.tensor(ids, device=dev), positions=torch.tensor(positions, device=dev),
-                            cache=cache, logits_at=last)  # (B, V)
+        logits = self.model.forward_paged(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), cache,
+                                          logits_at=last)  # (B, V)
         rows, sources = [], []
         for i, (s, n) in enumerate(zip(batch.seqs, batch.chunks)):
             s.num_cached += n
@@ -136,8 +136,8 @@ class ModelRunner:
             if self.graphs is not None:
                 logits = self.graphs.run(rows.tokens, rows.positions, slots, rows.tables, blocks)
             if logits is None:
-                cache = PagedBatch(self.cache, slots[:, None], rows.tables[:, :blocks], rows.mirror(self.cache, blocks))
-                logits = self.model(rows.tokens[:, None], positions=rows.positions[:, None], cache=cache)[:, -1]
+                cache = PagedBatch(self.cache, slots[:, None], rows.tables[:, :blocks])
+                logits = self.model.forward_paged(rows.tokens[:, None], rows.positions[:, None], cache)[:, -1]
             tokens, logps = self.sample(logits, rows.keys, rows.positions + 1, seqs)  # (B,), (B,)
             sampled_tokens.append(tokens)
             sampled_logps.append(logps)
@@ -169,26 +169,15 @@ class DecodeRows:
     rows are built on the host. A row is identified by (sequence, epoch): a sequence that left and
     came back is a new row. A staying row's table is re-sent only when its block list grew or
     changed (scheduler: reserved for a window, or copied on write).
-
-    With mirror (CPU), the batch's K/V are also kept in one contiguous tensor per K and V,
-    (n_layers, B, Hk, W tokens, D), gathered from the blocks once the batch has stayed the same for
-    MIRROR_AFTER decode steps and then appended to by every step: a CPU decode step reads them as
-    they are instead of gathering every row's blocks again (on a CPU that gather costs as much as
-    the attention). Building it costs about two gathers, so a batch that changes every step
-    gathers instead.
     """
 
-    MIRROR_AFTER = 2  # unchanged decode steps before the mirror is built
-
-    def __init__(self, device, block_size: int, scratch: int, mirror: bool = False):
-        self.device, self.block_size, self.scratch, self.mirrored = device, block_size, scratch, mirror
+    def __init__(self, device, block_size: int, scratch: int):
+        self.device, self.block_size, self.scratch = device, block_size, scratch
         self.ids: list[tuple[Sequence, int]] = []
         self.sent: list[list[int]] = []  # the block table each row's device table holds
         long = dict(dtype=torch.long, device=device)
         self.tokens, self.positions, self.keys, self.left = (torch.zeros(0, **long) for _ in range(4))
         self.tables = torch.full((0, 1), scratch, **long)
-        self.mirror_kv = None  # (k, v): (n_layers, B, Hk, W, D), valid for self.ids
-        self.unchanged = 0  # decode steps since the batch last changed
 
     def sync(self, seqs: list[Sequence]) -> None:
         """Make the device rows those of seqs, in order; tables of staying rows brought up to date."""
@@ -223,7 +212,6 @@ class DecodeRows:
         sent = [self.sent[old[r]] if r in old else None for r in ids]
         self.sent = sent
         self._send_tables([i for i, s in enumerate(seqs) if s.block_table != sent[i]], seqs)
-        self.mirror_kv, self.unchanged = None, 0
 
     def _send_tables(self, rows: list[int], seqs: list[Sequence]) -> None:
         if not rows:
@@ -240,30 +228,3 @@ class DecodeRows:
             pad = torch.full((self.tables.shape[0], max(width, 2 * self.tables.shape[1]) - self.tables.shape[1]),
                              self.scratch, dtype=torch.long, device=self.device)
             self.tables = torch.cat([self.tables, pad], 1)
-
-    def mirror(self, cache: PagedKVCache, blocks: int):
-        """(k, v, rows) for PagedBatch.mirror, or None (no mirror, or a batch that changed in the
-        last MIRROR_AFTER steps: gather instead): gathered from the blocks, then as the last step
-        left it. It holds as many blocks as any row can reach in its turn (turn start + budget),
-        so it never grows while the batch is unchanged."""
-        self.unchanged += 1
-        if not self.mirrored or (self.mirror_kv is None and self.unchanged <= self.MIRROR_AFTER):
-            return None  # gather this step
-        L, _, bs, Hk, D = cache.k.shape
-        B = len(self.ids)
-        if self.mirror_kv is None or self.mirror_kv[0].shape[3] < blocks * bs:
-            width = max(blocks, max(-(-(s.turn_start + s.budget) // bs) for s, _ in self.ids))
-            table = torch.full((B, width), self.scratch, dtype=torch.long, device=self.device)
-            w = min(width, self.tables.shape[1])
-            table[:, :w] = self.tables[:, :w]
-            table = table.reshape(-1)
-            self.mirror_kv = tuple(torch.empty(L, B, Hk, width * bs, D, dtype=cache.k.dtype, device=self.device)
-                                   for _ in range(2))  # (L, B, Hk, W, D): what SDPA reads fastest
-            for pool, mirror in zip((cache.k, cache.v), self.mirror_kv):
-                for layer in range(L):
-                    blocks_kv = pool[layer].index_select(0, table).view(B, width * bs, Hk, D)
-                    mirror[layer].copy_(blocks_kv.transpose(1, 2))
-        k, v = self.mirror_kv
-        W = k.shape[3]
-        rows = (torch.arange(B * Hk, device=self.device).view(B, Hk) * W + self.positions[:, None]).reshape(-1)
-        return k, v, rows  # rows: the new token's (row, head) rows of k[layer].view(-1, D)

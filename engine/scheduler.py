@@ -186,17 +186,11 @@ class Scheduler:
 
     def _decode_needs(self, steps: int) -> tuple[list[tuple[Sequence, int]], int]:
         """([(row, tokens its table must cover)] for the running rows a decode window of `steps`
-        steps takes blocks for, the blocks they take in all): BlockManager.needed inlined, one
-        pass over the rows."""
-        bs, refs = self.blocks.block_size, self.blocks.refs
+        steps takes blocks for, the blocks they take in all)."""
         grow, total = [], 0
         for s in self.running:
-            written, table = s.num_cached, s.block_table
-            reach = min(written + steps, s.turn_start + s.budget - 1)
-            n = -(-reach // bs) - len(table)
-            n = n if n > 0 else 0
-            if reach > written and written % bs and refs[table[written // bs]] > 1:
-                n += 1  # the partly filled last block is shared: copied on write
+            reach = min(s.num_cached + steps, s.turn_start + s.budget - 1)
+            n = self.blocks.needed(s.block_table, s.num_cached, reach)
             if n:
                 grow.append((s, reach))
                 total += n

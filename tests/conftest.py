@@ -41,3 +41,22 @@ def build_tiny_assets(d: Path) -> list[str]:
                 "model.tiny_vocab_size=512"]
     tiny.prepare_assets(C.load_config(["--" + a for a in settings]))
     return settings
+
+
+def grpo_update(model, ref_model, optimizer, scheduler, trajs, adv, cfg, world=1, device="cpu") -> dict:
+    """One GRPO update as train.main's loop runs it: policy_update.batch_logprobs once, then per mini-batch
+    (policy_update.mini_batches) policy_update.update and optim.step_optimizer. Returns the token-weighted loss
+    metrics, grad_norms (one per optimizer step) and skipped (1.0 if any step was skipped)."""
+    import math
+
+    import optim
+    import torch
+    import policy_update
+    device = torch.device(device)
+    sums, grad_norms = {}, []
+    logps = policy_update.batch_logprobs(model, ref_model, trajs, cfg, device)
+    for idx in policy_update.mini_batches(len(trajs), cfg.grpo):
+        policy_update.update(model, trajs, idx, adv, logps, cfg, world, device, sums)
+        grad_norms.append(optim.step_optimizer(model, optimizer, scheduler, cfg.optim))
+    out = {k: v / max(w, 1e-9) for k, (v, w) in sums.items()}
+    return {**out, "grad_norms": grad_norms, "skipped": float(not all(math.isfinite(g) for g in grad_norms))}

@@ -16,9 +16,10 @@ Prints one `RESULT <case> ... ok|MISMATCH` line per case on rank 0, exits non-ze
                 them: the base does not move).
 - checkpoint:   checkpoint.save (adapter/ in PEFT's format + AdamW state) on N ranks, then
                 checkpoint.load into a fresh model: identical adapters and moments on every rank.
-- merged_unsharded, merged_bf16: lora.merged on the sharded model (fp32; bf16 base and compute)
-                gives the adapter forward's logits, and its exit leaves the sharded base
-                bit-identical (the merge wrote into the gathered copies).
+- merged_fp32, merged_bf16: the sampler's copy refreshed from the sharded model
+                (PolicySampler.refresh: units gathered one at a time, adapters merged; fp32, and
+                bf16 base and compute) gives the adapter forward's logits, and the sharded model
+                is left bit-identical.
 """
 import copy
 import os
@@ -38,6 +39,7 @@ import distributed  # noqa: E402
 import lora  # noqa: E402
 import optim  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
+from policy_sampler import PolicySampler  # noqa: E402
 
 V, B, T = 37, 6, 11
 
@@ -157,8 +159,8 @@ def main():
     if rank == 0:
         shutil.rmtree(box[0], ignore_errors=True)
 
-    # merged on the sharded model: same logits, sharded base untouched (fp32; bf16 base + compute)
-    for case, bf16, tol in (("merged_unsharded", False, 1e-5), ("merged_bf16", True, 0.1)):
+    # the sampler's merged copy of the sharded model: same logits, the model untouched (fp32; bf16 base + compute)
+    for case, bf16, tol in (("merged_fp32", False, 1e-5), ("merged_bf16", True, 0.1)):
         model = copy.deepcopy(base)
         if bf16:
             for p in model.parameters():
@@ -166,13 +168,16 @@ def main():
                     p.data = p.data.to(torch.bfloat16)
         shard(model, MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else None)
         local_before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+        sampler = PolicySampler(model, C.SamplingConfig(kv_budget_tokens=64),
+                                dtype=torch.bfloat16 if bf16 else torch.float32)
+        sampler.refresh(model)  # every unit gathered in turn, then resharded
+        untouched = all(torch.equal(p.to_local(), local_before[n]) for n, p in model.named_parameters())
         with torch.no_grad():
             want = model(ids[:, :-1]).float()
-            with lora.merged(model):
-                got = model(ids[:, :-1]).float()
-                merged_diff = (got - want).abs().max().item()
+            got = sampler.model(ids[:, :-1]).float()
+            merged_diff = (got - want).abs().max().item()
+            sampler.refresh(model)  # again, from the state a forward leaves (the root stays gathered)
             after = model(ids[:, :-1]).float()
-        untouched = all(torch.equal(p.to_local(), local_before[n]) for n, p in model.named_parameters())
         results[case] = (merged_diff <= tol and untouched and torch.equal(after, want),
                          f"merged_vs_adapter={merged_diff:.2e}")
 

@@ -92,7 +92,7 @@ def test_actions_protocol_and_dense_reward(toy):
     assert all(st["ok"] for e in eps for st in e["steps"][:-1])  # random actions name real tables/columns
     for e, r in zip(eps, rw):  # terminal + sql_env's shaping over the recorded steps
         gold = reward.gold_rows(e["db_path"], e["gold_sql"])
-        assert r["reward"] == pytest.approx(float(r["exec_match"]) + reward.dense_shaping(e["steps"], gold))
+        assert r["reward"] == pytest.approx(float(r["exec_match"]) + reward.dense_shaping(e["steps"], gold, cfg.reward))
     assert any(r["reward"] != float(r["exec_match"]) for r in rw)
 
 

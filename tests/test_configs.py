@@ -112,19 +112,20 @@ def test_config_warm_start_writes_well_formed_episodes_in_its_protocol(path, ass
     from transformers import AutoTokenizer
 
     import dataset
-    import reward
     import gold
+    import reward
+    import rollout
     cfg = C.load_config([str(path), *assets, "--env.workers=1"])
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     train_ex = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
     recs = [r for r in train_ex if r["lookup_sql"]][:4] + [r for r in train_ex if not r["lookup_sql"]][:4]
     dbs = [dataset.abs_db_path(r, cfg.data.db_root) for r in recs]
-    prompts = gold.render_prompts(tok, recs, cfg.data, cfg.env.protocol, cfg.data.db_root)
+    prompts = [rollout.render_prompt(tok, r, cfg.data, cfg.env.protocol, cfg.data.db_root) for r in recs]
     eps = gold.gold_episodes(recs, prompts, tok, cfg, dbs)
     scores = reward.episode_rewards([{"db_path": d, "gold_sql": r["gold_sql"], "response": e.text,
                                       "final_sql": e.final_sql, "finished": e.finished, "steps": e.steps}
                                      for d, r, e in zip(dbs, recs, eps)],
-                                    cfg.reward, cfg.env.protocol, reward.conversation_pieces(tok, cfg.env))
+                                    cfg.reward, cfg.env.protocol, rollout.conversation_pieces(tok, cfg.env))
     for r, e, s in zip(recs, eps, scores):
         assert s["format_ok"] and s["exec_match"] and s["reward"] >= cfg.reward.correct, (path.name, s, e.text)
         if r["lookup_sql"] and rollout_turns(cfg) > 1:  # the lookup's observation shows the code

@@ -10,17 +10,21 @@ EX, votes and pass@k have known values. ~30 s, most of it the torchrun launch.
 import itertools
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import ROOT, torchrun_env
 
+import config as C
 import dataset
 import eval as ev
+import runguard
 import spider_score
 import rollout
 import tiny
@@ -211,7 +215,7 @@ def answers_for(ex):
 def stub_rollout(plan):
     """plan[example id] = kinds of its samples (None = no solution). Episodes are example-major."""
     def fake(model, tok, exs, env_cfg, sampling_cfg, data_cfg, db_root, *, n=1, seed=0, greedy=False, dtype=None,
-             engine=None):
+             logits_hook=None, stats=None, engine=None):
         out = []
         for ex in exs:
             for kind in plan[ex["id"]][:n]:
@@ -304,5 +308,94 @@ def test_stub_error_recovery(setup, monkeypatch):
 
 def test_greedy_with_n_gt_1_is_refused(setup):
     _, _, base = setup
-    with pytest.raises(SystemExit, match="--temperature"):
+    with pytest.raises(runguard.RunError, match="--temperature"):
         run_main(base + ["--n", "2", "--temperature", "0"])
+
+
+# -----------------------------------------------------------------------------
+# a checkpoint's own settings, bad --model values, golds that fail
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(setup):
+    """A folder laid out as checkpoint.save writes one: hf/ (the model) and config.yaml (the run's
+    settings, none of them the defaults: compact template, 2 turns, 12 tokens a turn, set mode)."""
+    d, data, _ = setup
+    ck = d / "run" / "ckpt_000024"
+    shutil.copytree(d / "model", ck / "hf")
+    cfg = C.load_config([str(d / "cfg.yaml"), f"--data.eval_path={data}", f"--data.db_root={d / 'toy'}",
+                         "--train.threads=1"])
+    (ck / "config.yaml").write_text(C.dump(cfg))
+    (ck / "trainer.pt").write_bytes(b"")
+    return ck
+
+
+def test_resolve_model(checkpoint_dir, tmp_path):
+    ck = checkpoint_dir
+    assert ev.resolve_model(str(ck)) == (str(ck / "hf"), str(ck / "config.yaml"))
+    assert ev.resolve_model(str(ck / "hf")) == (str(ck / "hf"), str(ck / "config.yaml"))
+    assert ev.resolve_model(str(ck.parent.parent / "model")) == (str(ck.parent.parent / "model"), "")
+    lora_ck = tmp_path / "ckpt_000008"
+    (lora_ck / "adapter").mkdir(parents=True)
+    (lora_ck / "config.yaml").write_text("{}")
+    with pytest.raises(C.ConfigError, match="a checkpoint without hf/ .*lora_save_merged"):
+        ev.resolve_model(str(lora_ck))
+
+
+def test_a_checkpoint_is_evaluated_with_its_own_settings(setup, checkpoint_dir, monkeypatch, capsys):
+    """The issue: the README's command (no --config) ran the defaults (SkyRL template, 6 turns, 3000
+    tokens a turn) on a tiny checkpoint: no progress after 400 s, EX 0%. The checkpoint's
+    config.yaml holds the run's settings; --data and --db-root default to its eval split."""
+    d, data, _ = setup
+    exs = dataset.load_examples(data, d / "toy", LIMIT)
+    monkeypatch.setattr(rollout, "rollout", stub_rollout({e["id"]: [RIGHT] for e in exs}))
+    for model in (checkpoint_dir, checkpoint_dir / "hf"):
+        out = str(d / "from_ckpt")
+        run_main(["generate", "--model", str(model), "--limit", str(LIMIT), "--out", out])
+        _, _, s = read_out(out)
+        assert (s["prompt_template"], s["max_turns"], s["max_new_tokens"], s["reward_mode"]) == ("compact", 2, 12, "set")
+        assert s["settings"] == f"{checkpoint_dir / 'config.yaml'} (the checkpoint's)" and s["ex"] == 1.0
+        assert s["model"] == str(checkpoint_dir / "hf") and s["data"] == data
+    printed = capsys.readouterr().out
+    assert "template compact, protocol tags (single), max_turns 2, max_new_tokens 12" in printed
+    assert f"{LIMIT}/{LIMIT} examples | EX 100.0%" in printed  # the progress line
+    # --config still wins over the checkpoint's own
+    run_main(["generate", "--model", str(checkpoint_dir), "--limit", "2", "--out", out, "--config", str(d / "cfg.yaml"),
+              "--env.max_turns=1"])
+    assert read_out(out)[2]["max_turns"] == 1 and read_out(out)[2]["settings"] == str(d / "cfg.yaml")
+
+
+def test_a_missing_model_is_an_immediate_error_without_the_network(setup, tmp_path):
+    """The issue: a --model that does not exist was taken for a hub name and retried for 49 s."""
+    _, data, _ = setup
+    t0 = time.time()
+    with pytest.raises(C.ConfigError, match=f"--model {tmp_path}/nope: no such folder"):
+        run_main(["generate", "--model", str(tmp_path / "nope"), "--data", data])
+    only_config = tmp_path / "only_config"  # "need sentencepiece or tiktoken" before
+    only_config.mkdir()
+    shutil.copy(setup[0] / "model" / "config.json", only_config)
+    with pytest.raises(C.ConfigError, match="--model .*only_config: no tokenizer"):
+        run_main(["generate", "--model", str(only_config), "--data", data, "--db-root", str(setup[0] / "toy")])
+    assert time.time() - t0 < 5
+    with pytest.raises(C.ConfigError, match="--chunk must be >= 1, got 0"):
+        run_main(["generate", "--model", str(setup[0] / "model"), "--data", data, "--chunk", "0"])
+
+
+def test_examples_whose_gold_fails_are_skipped_and_counted(setup, tmp_path, monkeypatch, capsys):
+    """A gold that fails on its database makes its question score 0 whatever the model writes: it is
+    dropped (as train.py's evals drop it), counted in summary.json and named in a WARNING line."""
+    d, data, base = setup
+    lines = open(data).read().splitlines()[:LIMIT]
+    broken = json.loads(lines[1])
+    broken["gold_sql"] = "SELECT no_such_column FROM customers"
+    lines[1] = json.dumps(broken)
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    exs = dataset.load_examples(data, d / "toy", LIMIT)
+    monkeypatch.setattr(rollout, "rollout", stub_rollout({e["id"]: [RIGHT] for e in exs}))
+    run_main([*base[:4], str(bad), *base[5:], "--out", str(tmp_path / "out")])
+    _, traces, s = read_out(tmp_path / "out")
+    assert s["n_examples"] == LIMIT - 1 and s["skipped_gold_fails"] == 1 and s["ex"] == 1.0
+    assert [t["id"] for t in traces] == [e["id"] for i, e in enumerate(exs) if i != 1]
+    assert f"WARNING: {bad}: skipped 1 of {LIMIT} examples whose gold query fails on its database: {bad}:2: " \
+           "no such column: no_such_column" in capsys.readouterr().out

@@ -58,6 +58,31 @@ def test_score_cli(tiny_set):
     assert set(recs[0]) >= {"index", "db_id", "exec_match", "error"}
 
 
+def test_score_names_a_corrupt_or_empty_database_in_its_summary_line(tiny_set):
+    """The issue: a corrupt database gave "EX 0/8 (0 skipped: database missing)", the reason only in
+    --out. Now its examples are skipped, and the summary line counts them and names the file."""
+    tmp, gold, pred, root = tiny_set
+    (root / "broken").mkdir()
+    (root / "broken" / "broken.sqlite").write_bytes(b"not a database" * 64)
+    (root / "empty").mkdir()
+    (root / "empty" / "empty.sqlite").write_bytes(b"")
+    gold.write_text(gold.read_text() + "SELECT 1\tbroken\nSELECT 2\tbroken\nSELECT 3\tempty\n")
+    pred.write_text(pred.read_text() + "SELECT 1\nSELECT 2\nSELECT 3\n")
+    out = tmp / "out.jsonl"
+    p = subprocess.run([sys.executable, str(ROOT / "eval.py"), "score", "--pred", str(pred), "--gold", str(gold),
+                        "--db-root", str(root), "--out", str(out)], capture_output=True, text=True, cwd=tmp)
+    assert p.returncode == 0, p.stderr
+    line = p.stdout.strip().splitlines()[-1]
+    assert line.startswith("mode spider: EX 3/4 = 75.00% (4 skipped: 1 database missing, 3 on an unusable database: "
+                           f"{root}/broken/broken.sqlite: not a readable SQLite database (file is not a database); "
+                           f"{root}/empty/empty.sqlite: the database is an empty file (0 bytes))"), line
+    recs = [json.loads(r) for r in out.read_text().splitlines()]
+    assert [r["skipped"] for r in recs[5:]] == [True] * 3 and "file is not a database" in recs[5]["error"]
+    missing = subprocess.run([sys.executable, str(ROOT / "eval.py"), "score", "--pred", str(tmp / "nope.sql"),
+                              "--gold", str(gold), "--db-root", str(root)], capture_output=True, text=True, cwd=tmp)
+    assert missing.returncode == 1 and missing.stderr == f"error: --pred {tmp / 'nope.sql'}: no such file\n"
+
+
 def test_score_modes_and_errors(tiny_set):
     tmp, gold, pred, root = tiny_set
     lines = pred.read_text().splitlines()

@@ -110,9 +110,9 @@ def test_fit_prompts_drops_long_ones_and_those_leaving_no_room():
 def test_episode_uses_the_one_db_path_resolution(tmp_path):
     ex = {"db_path": "database/a/a.sqlite", "gold_sql": "SELECT 1"}
     t = types.SimpleNamespace(text="r", final_sql="SELECT 2", finished=True, steps=[])
-    e = reward.episode(t, ex, tmp_path)
+    e = episodes.episode(t, ex, tmp_path)
     assert e["db_path"] == dataset.abs_db_path(ex, tmp_path) == str((tmp_path / "database/a/a.sqlite").resolve())
-    assert e["final_sql"] == "SELECT 2" and reward.episode(t, ex, tmp_path, "SELECT 3")["final_sql"] == "SELECT 3"
+    assert e["final_sql"] == "SELECT 2" and episodes.episode(t, ex, tmp_path, "SELECT 3")["final_sql"] == "SELECT 3"
     assert dataset.abs_db_path({**ex, "db_file": "/x/y.sqlite"}, tmp_path) == "/x/y.sqlite"
 
 
@@ -124,7 +124,7 @@ def test_episode_uses_the_one_db_path_resolution(tmp_path):
 def test_train_eval_decodes_at_sampling_eval_temperature(T, monkeypatch):
     seen = {}
 
-    def fake_run_episodes(model, tok, exs, cfg, *, n, seed, greedy, sampling=None, mem=None):
+    def fake_run_episodes(sampler, tok, exs, cfg, *, n, seed, greedy, sampling=None, mem=None):
         seen.update(greedy=greedy, temperature=(sampling or cfg.sampling).temperature)
         return [], [], 0.0, 0.0
 

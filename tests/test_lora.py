@@ -166,15 +166,18 @@ def test_gradient_reaches_only_the_adapters(folders):
 
 
 def test_sampler_gives_the_same_tokens_merged_or_not(folders):
-    """The rollout path (KV cache, ragged prefill, decode): greedy tokens agree."""
+    """The rollout path (KV cache, ragged prefill, decode): greedy tokens of the adapter forward and
+    of the sampler's merged copy (PolicySampler.refresh, what training samples) agree."""
     from config import SamplingConfig
+    from policy_sampler import PolicySampler
     from rollout import generate
     model = lora_model(folders["qwen2"]).eval()
     prompts = [ids(1, n, seed=n)[0].tolist() for n in (5, 9, 3)]
-    cfg = SamplingConfig(max_new_tokens=12, max_context=64)
+    cfg = SamplingConfig(max_new_tokens=12, max_context=64, kv_budget_tokens=256)
     plain = generate(model, prompts, cfg, [], None, seed=0, greedy=True, eos=[])
-    with lora.merged(model):
-        merged = generate(model, prompts, cfg, [], None, seed=0, greedy=True, eos=[])
+    sampler = PolicySampler(model, cfg)
+    sampler.refresh(model)
+    merged = generate(sampler.model, prompts, cfg, [], None, seed=0, greedy=True, eos=[])
     base = Transformer.from_pretrained(folders["qwen2"])
     without = generate(base, prompts, cfg, [], None, seed=0, greedy=True, eos=[])
     assert [t.ids for t in plain] == [t.ids for t in merged] != [t.ids for t in without]
@@ -200,22 +203,22 @@ def test_gradient_matches_the_unfused_formula(folders):
 
 
 def test_merged_equals_adapter_forward_and_hf_export(folders, tmp_path):
+    """The sampler's merged copy (PolicySampler.refresh) gives the adapter forward's logits and
+    leaves the trained model bit for bit; so does a merged HF export, through transformers alone."""
+    from config import SamplingConfig
+    from policy_sampler import PolicySampler
     model = lora_model(folders["qwen3"]).eval()
     x = ids()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sampler = PolicySampler(model, SamplingConfig(kv_budget_tokens=64))
+    sampler.refresh(model)
     with torch.no_grad():
         want = model(x)
-        with lora.merged(model):
-            assert maxdiff(model(x), want) <= 1e-5
-            assert maxdiff(model.layers[1].mlp.gate_up_proj.weight, before["layers.1.mlp.gate_up_proj.weight"]) > 1e-3
-        assert maxdiff(model(x), want) <= 1e-5
-    for n, p in model.named_parameters():  # the exit restores the base bit for bit
+        assert maxdiff(sampler.model(x), want) <= 1e-5
+    merged_w = sampler.model.layers[1].mlp.gate_up_proj.weight
+    assert maxdiff(merged_w, before["layers.1.mlp.gate_up_proj.weight"]) > 1e-3  # the adapters moved it
+    for n, p in model.named_parameters():  # the trained model is never changed
         assert torch.equal(p, before[n]), n
-    lora.merge(model)  # merge/unmerge by hand (PEFT's way): back within one fp32 rounding
-    lora.unmerge(model)
-    assert all(maxdiff(p, before[n]) <= 1e-6 for n, p in model.named_parameters())
-    with pytest.raises(RuntimeError, match="merged"), lora.merged(model):
-        model(x)  # grad enabled while merged: the adapters would get no gradient
     # merged HF weights: transformers alone (no peft) gives the adapter model's logits
     sd = lora.merged_state_dict(model)
     assert not any(".lora_" in k for k in sd)
@@ -371,5 +374,5 @@ def test_fsdp2_shards_lora(world):
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     out = p.stdout + p.stderr
     results = dict(re.findall(r"RESULT (\S+) .* (ok|MISMATCH)", out))
-    assert p.returncode == 0 and results == {c: "ok" for c in ("fp32", "bf16_base", "train_step", "checkpoint", "merged_unsharded",
+    assert p.returncode == 0 and results == {c: "ok" for c in ("fp32", "bf16_base", "train_step", "checkpoint", "merged_fp32",
                                                                    "merged_bf16")}, out[-4000:]

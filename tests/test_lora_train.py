@@ -1,4 +1,4 @@
-"""LoRA through the trainer: train.update on an FSDP2 LoRA model with merged-weight rollouts
+"""LoRA through the trainer: policy_update.update on an FSDP2 LoRA model with merged-weight rollouts
 moves only the adapters (the base stays bit-identical, AdamW holds nothing else), and its
 checkpoint's adapter/ loads in PEFT with our logits; model.lora_dropout changes the update's
 loss but not old-logprob scoring; a train.py LoRA run that learns, with dropout, resumes exactly
@@ -7,6 +7,7 @@ from ckpt_<step>/adapter. The 2-rank step equality is tests/lora_dist_check.py's
 
     /work/main/.venv/bin/python -m pytest -q tests/test_lora_train.py
 """
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -16,25 +17,28 @@ import torch
 import checkpoint
 import config as C
 import distributed
+import grpo
 import lora
 import optim
+import packing
 import rollout
 import tiny
-import train
+from conftest import grpo_update
 from model import Transformer
+from policy_sampler import PolicySampler
 from test_train import assert_resumed_steps_learn_alike, learning_args, run_train
 
 PEFT_MISSING = "peft not installed (pip install peft: a test-only dependency, see requirements-dev.txt)"
 
 
 # -----------------------------------------------------------------------------
-# in process: train.update on a sharded LoRA model
+# in process: policy_update.update on a sharded LoRA model
 
 
 def test_lora_update_trains_only_adapters(tmp_path):
-    """A few GRPO updates through train.update (reward = fraction of sampled tokens in the lower
-    half of the vocabulary: dense, so every group has a signal), rollouts with the adapters
-    merged as episodes.run_episodes does: every adapter B moves, the base stays bit-identical,
+    """A few GRPO updates through policy_update.update (reward = fraction of sampled tokens in the lower
+    half of the vocabulary: dense, so every group has a signal), rollouts on the sampler's copy
+    with the adapters merged (PolicySampler.refresh, as train.py): every adapter B moves, the base stays bit-identical,
     AdamW holds exactly the adapters, and the policy's logits move away from the base's.
     (A random tiny base's logits barely depend on its hidden state, so a reward rise is not
     asserted here: README's LoRA section has the held-out EX gain on the warm-started model.)"""
@@ -60,15 +64,15 @@ def test_lora_update_trains_only_adapters(tmp_path):
     with torch.no_grad():
         logits_before = model(ids)
     G, P = cfg.grpo.group_size, 4
+    sampler = PolicySampler(model, dataclasses.replace(cfg.sampling, kv_budget_tokens=4096))
     for step in range(4):
-        with distributed.unsharded(model), lora.merged(model):
-            trajs = rollout.generate(model, [prompt] * (P * G), cfg.sampling, [], tok, seed=step, eos=[])
+        sampler.refresh(model)  # weight sync, as train.py: adapters merged into the sampler's copy
+        trajs = rollout.generate(sampler.model, [prompt] * (P * G), cfg.sampling, [], tok, seed=step, eos=[])
         r = torch.tensor([sum(int(i < 150) for i, m in zip(t.ids, t.loss_mask) if m) / max(1, sum(t.loss_mask))
                           for t in trajs])
         model.train()
-        m = train.update(model, None, opt, sch, trajs, train.grpo.advantages(r, G, "group"), cfg, 1,
-                         torch.device("cpu"))
-        assert m["grad_norm"] > 0
+        m = grpo_update(model, None, opt, sch, trajs, grpo.advantages(r, G, "group"), cfg)
+        assert m["grad_norms"][0] > 0
     assert all(torch.equal(p.to_local(), base_before[n]) for n, p in model.named_parameters() if not p.requires_grad)
     assert all(not torch.equal(p.to_local(), adapters_before[n]) for n, p in adapters.items() if ".lora_B." in n)
     with torch.no_grad():
@@ -95,7 +99,7 @@ def test_lora_update_trains_only_adapters(tmp_path):
 
 
 def dropout_update(tmp_path, dropout: float, monkeypatch):
-    """One rollout batch (fixed trajectories and advantages) through train.update with 2
+    """One rollout batch (fixed trajectories and advantages) through policy_update.update with 2
     mini-batches on a sharded LoRA model with model.lora_dropout = dropout, seeded. Returns
     (the adapters after, [(grad enabled, model.training) at every packing.forward call])."""
     if not (tmp_path / "config.json").exists():
@@ -113,19 +117,20 @@ def dropout_update(tmp_path, dropout: float, monkeypatch):
     model = distributed.shard(model, torch.float32)
     opt, sch = optim.make_optimizer(model, cfg.optim, cfg.optim.lr, 0, 100)
     prompt = tok.encode("<|im_start|>user\nsay a<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    with distributed.unsharded(model), lora.merged(model):
-        trajs = rollout.generate(model, [prompt] * 8, cfg.sampling, [], tok, seed=0, eos=[])
+    sampler = PolicySampler(model, dataclasses.replace(cfg.sampling, kv_budget_tokens=4096))
+    sampler.refresh(model)
+    trajs = rollout.generate(sampler.model, [prompt] * 8, cfg.sampling, [], tok, seed=0, eos=[])
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5] * 2)
-    modes, real_forward = [], train.packing.forward
+    modes, real_forward = [], packing.forward
 
     def recording_forward(model_, *a, **kw):
         modes.append((torch.is_grad_enabled(), model_.training))
         return real_forward(model_, *a, **kw)
-    monkeypatch.setattr(train.packing, "forward", recording_forward)
+    monkeypatch.setattr(packing, "forward", recording_forward)
     torch.manual_seed(1)
-    m = train.update(model, None, opt, sch, trajs, adv, cfg, 1, torch.device("cpu"))
+    m = grpo_update(model, None, opt, sch, trajs, adv, cfg)
     monkeypatch.undo()
-    assert m["grad_norm"] > 0
+    assert all(g > 0 for g in m["grad_norms"])
     assert not model.training  # the mode it found (from_pretrained: eval) is restored
     return {n: p.full_tensor().clone() for n, p in model.named_parameters() if p.requires_grad}, modes
 

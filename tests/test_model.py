@@ -185,7 +185,7 @@ class Paged:
             c.copy_blocks(*torch.tensor(copies).unbind(1))
         width = max(1, max(map(len, self.tables)))
         table = torch.tensor([t + [c.scratch] * (width - len(t)) for t in self.tables])
-        out = self.m(x, positions=pos, cache=PagedBatch(c, slots, table))
+        out = self.m.forward_paged(x, pos, PagedBatch(c, slots, table))
         self.cached = [n + k for n, k in zip(self.cached, lens)]
         return out
 
@@ -214,7 +214,7 @@ def test_fresh_prefill_path_equals_full_forward(models):
         cache.blocks.grow(cache.tables[b], 0, lens[b])
         slots[b, :lens[b]] = torch.tensor([cache.tables[b][p // 4] * 4 + p % 4 for p in range(lens[b])])
     with torch.no_grad():
-        out = m(x, positions=torch.arange(13)[None].expand(3, -1), cache=PagedBatch(cache.cache, slots, None))
+        out = m.forward_paged(x, torch.arange(13)[None].expand(3, -1), PagedBatch(cache.cache, slots, None))
         cache.cached = lens
         nxt = cache.feed(x[:, :1])[:, 0]
         for b in range(3):

@@ -1,16 +1,13 @@
 """Shared-prompt packing (packing.py) against the padded per-sequence path it replaces: the same
-per-token logprobs and entropies, and through train.update the same loss and gradients for every
+per-token logprobs and entropies, and through policy_update.update the same loss and gradients for every
 loss aggregation, ppo_epochs × mini_batches, kl_beta > 0, activation checkpointing, multi-turn
-trajectories (observation tokens masked), groups that fall back to the plain layout. The
-FlexAttention block mask built from the row's structure against create_block_mask on random
-packings, its memory and time on a 32k-token row, and flex_attention with it against SDPA. ~60 s.
+trajectories (observation tokens masked), groups that fall back to the plain layout. ~60 s.
 
     python -m pytest -q tests/test_packing.py
 """
 import copy
 import random
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,11 +17,11 @@ import torch
 import config as C
 import grpo
 import packing
-import train
+from conftest import grpo_update
 from model import ModelArgs, Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import padded  # noqa: E402  (bench/padded.py: the padded reference layout)
+import padded  # noqa: E402  (bench/padded.py: the padded reference layout and the dense mask)
 
 V = 97
 
@@ -103,7 +100,7 @@ def test_plain_row_uses_no_mask_and_plan_groups_by_prompt_ids():
     assert row.src[0] == 1 and row.src[2] == 1 and row.counts == [2, 1, 1]
     solo, = packing.plan([seqs[0]], None, budget=100)
     assert solo.rows[0].plain and not row.plain
-    m = packing.attention_mask(torch.tensor([row.doc]), torch.tensor([row.seg]))[0, 0]
+    m = padded.dense_mask(torch.tensor([row.doc]), torch.tensor([row.seg]))[0, 0]
     assert m[4].tolist() == [True, True, False, False, True, False, False, False]  # 5 sees prompt, self
 
 
@@ -121,7 +118,7 @@ def test_fp32_lm_head_matches_fp32_model_in_bf16():
 
 
 # -----------------------------------------------------------------------------
-# train.update: packed gradients equal the padded per-sequence reference
+# policy_update.update: packed gradients equal the padded per-sequence reference
 
 
 class Capture:
@@ -200,7 +197,7 @@ def test_update_gradients_equal_padded_reference(agg, epochs, minis, kl, ckpt, l
     opt = SGDCapture(model)
     model.set_activation_checkpointing(ckpt)
     sch = SimpleNamespace(step=lambda: None)
-    out = train.update(model, ref_model, opt, sch, trajs, adv, cfg, 1, torch.device("cpu"))
+    out = grpo_update(model, ref_model, opt, sch, trajs, adv, cfg)
     want = reference_update(ref_copy, ref_model, trajs, adv, cfg)
     assert len(opt.grads) == len(want) == epochs * minis and out["skipped"] == 0.0
     for got_step, want_step in zip(opt.grads, want):
@@ -229,149 +226,3 @@ def test_update_two_ranks_equal_one_process(tmp_path):
     assert p.returncode == 0 and len(results) == len(update_dist_check.CASES) * len(update_dist_check.UNITS), \
         out[-4000:]
     assert all(line.endswith(" ok") for line in results), results
-
-
-# -----------------------------------------------------------------------------
-# the FlexAttention block mask built from the row's structure
-
-
-def packed_rows(rng, budget=2048):
-    """(doc, seg) (B, T) of one micro-batch of random packed units: shared prompts with G
-    responses, single sequences, prompts and responses on 64/128-token block edges, padding."""
-    seqs, prompt_lens = [], []
-    for _ in range(rng.randint(1, 6)):
-        P = rng.choice([0, 1, 128, 256, rng.randint(2, 40), rng.randint(41, 300)])
-        prompt = [rng.randrange(V) for _ in range(P)]
-        for _ in range(rng.choice([1, 1, rng.randint(2, 8)])):
-            n = rng.choice([1, 64, 128, rng.randint(2, 300)])
-            seqs.append((prompt + [rng.randrange(V) for _ in range(n)], [0] * P + [1] * n))
-            prompt_lens.append(P)
-    mb = rng.choice(packing.plan(seqs, prompt_lens, budget, rng.choice([0, 0, 300, 700])))
-    width = max(len(r.ids) for r in mb.rows) + rng.choice([0, 0, rng.randint(1, 200)])  # padding
-    return (packing.pad([r.doc for r in mb.rows], -1, "cpu", width=width),
-            packing.pad([r.seg for r in mb.rows], 0, "cpu", width=width))
-
-
-def block_sets(num, idx):
-    """Per (b, h, query block): the set of kv block indices listed (the order may differ)."""
-    B, H, nq = num.shape
-    return [[[set(idx[b, h, q, :num[b, h, q]].tolist()) for q in range(nq)] for h in range(H)] for b in range(B)]
-
-
-def test_block_mask_equals_create_block_mask():
-    from torch.nn.attention.flex_attention import create_block_mask, create_mask
-    rng = random.Random(0)
-    n_full = n_partial = n_multi_row = 0
-    for trial in range(24):
-        doc, seg = packed_rows(rng, budget=2048 if trial % 6 == 0 else 768)
-        B, T = doc.shape
-        ref = create_block_mask(packing.mask_mod_of(doc, seg), B, None, T, T, device="cpu")
-        if trial < 6:  # the per-pair rule partial blocks keep is attention_mask's
-            assert torch.equal(create_mask(packing.mask_mod_of(doc, seg), B, 1, T, T, device="cpu"),
-                               packing.attention_mask(doc, seg)), trial
-        got = packing.block_mask(doc, seg)
-        assert got.seq_lengths == (T, T) and got.BLOCK_SIZE == ref.BLOCK_SIZE, trial
-        assert torch.equal(got.to_dense(), ref.to_dense()), trial
-        for kind in ("kv", "full_kv", "q", "full_q"):
-            assert block_sets(getattr(got, f"{kind}_num_blocks"), getattr(got, f"{kind}_indices")) == \
-                block_sets(getattr(ref, f"{kind}_num_blocks"), getattr(ref, f"{kind}_indices")), (trial, kind)
-        n_full += int(ref.full_kv_num_blocks.sum())
-        n_partial += int(ref.kv_num_blocks.sum())
-        n_multi_row += B > 1
-    assert n_full > 10 and n_partial > 100 and n_multi_row > 2  # the packings exercise every case
-
-
-class AllocatedBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Sums the storage bytes every op returns (views excluded): a bound on peak tensor memory."""
-    def __init__(self):
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not t._is_view():
-                self.total += t.untyped_storage().nbytes()
-        return out
-
-
-def test_block_mask_32k_row_memory_and_time():
-    from torch.nn.attention.flex_attention import create_block_mask
-    # the counter sees create_block_mask's (T, T) mask: at T=1024 over 1 MB
-    doc, seg = packed_rows(random.Random(1), budget=1024)
-    with AllocatedBytes() as ref_alloc:
-        create_block_mask(packing.mask_mod_of(doc, seg), doc.shape[0], None, doc.shape[1], doc.shape[1], device="cpu")
-    assert ref_alloc.total > doc.shape[0] * doc.shape[1] ** 2
-    # one 32768-token row: 4 units of a 2048-token prompt and 8 responses of 300-1100 tokens, padded
-    rng = random.Random(2)
-    seqs, prompt_lens = [], []
-    for _ in range(4):
-        prompt = [rng.randrange(V) for _ in range(2048)]
-        for _ in range(8):
-            n = rng.randint(300, 1100)
-            seqs.append((prompt + [1] * n, [0] * 2048 + [1] * n))
-            prompt_lens.append(2048)
-    (mb,) = packing.plan(seqs, prompt_lens, 32768)
-    assert len(mb.rows) == 1 and len(mb.rows[0].ids) > 24000
-    doc = packing.pad([mb.rows[0].doc], -1, "cpu", width=32768)
-    seg = packing.pad([mb.rows[0].seg], 0, "cpu", width=32768)
-    with AllocatedBytes() as alloc:
-        bm = packing.block_mask(doc, seg)
-    assert alloc.total < 256 * 2 ** 20, alloc.total
-    assert bm.kv_num_blocks.shape == (1, 1, 256) and int(bm.full_kv_num_blocks.sum()) > 0
-    # one thread: on this shared 2-core machine two OpenMP threads spend 10-20 ms per parallel op
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            packing.block_mask(doc, seg)
-            times.append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-    assert min(times) < 2.0, times
-
-
-def test_block_mask_rejects_a_non_contiguous_layout():
-    doc = torch.tensor([[0, 0, 1, 1, 0, 0]])
-    with pytest.raises(ValueError, match="contiguous"):
-        packing.block_mask(doc, torch.zeros_like(doc))
-    doc = torch.zeros(1, 6, dtype=torch.long)
-    with pytest.raises(ValueError, match="contiguous"):  # response 1 split by response 2
-        packing.block_mask(doc, torch.tensor([[0, 1, 1, 2, 2, 1]]))
-
-
-@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
-def test_flex_attention_with_block_mask_equals_sdpa_with_dense_mask():
-    """Uncompiled flex_attention (CPU) with block_mask == SDPA with attention_mask's bool mask."""
-    from torch.nn.attention.flex_attention import flex_attention
-    doc, seg = packed_rows(random.Random(3), budget=512)
-    B, T = doc.shape
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, 4, T, 16, generator=g)
-    k, v = torch.randn(B, 2, T, 16, generator=g), torch.randn(B, 2, T, 16, generator=g)
-    got = flex_attention(q, k, v, block_mask=packing.block_mask(doc, seg), enable_gqa=True)
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=packing.attention_mask(doc, seg),
-                                                            enable_gqa=True)
-    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
-
-
-@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
-def test_packed_forward_with_block_mask_equals_dense_mask(monkeypatch):
-    """The CUDA path on CPU: packing.forward with block_mask and (uncompiled; no backward on CPU)
-    flex_attention in the model gives the dense-mask SDPA path's logprobs. Eager flex evaluates
-    mask_mod on every pair (it ignores the block lists), so this checks the model path and the
-    per-pair rule; the blocks are checked against create_block_mask above."""
-    import model as model_module
-    from torch.nn.attention.flex_attention import flex_attention
-    model = make_model(seed=4)
-    trajs = make_trajs(n_groups=12, G=4, seed=4)  # rows of 3 FlexAttention blocks
-    (mb, *_) = packing.plan([(t.ids, t.loss_mask) for t in trajs], [len(t.prompt_ids) for t in trajs], 800, 330)
-    assert len(mb.rows) > 1 and len(mb.rows[0].ids) > 256
-    with torch.no_grad():
-        dense, _ = packing.forward(model, mb, "cpu", 1.0)
-        monkeypatch.setattr(packing, "attention_mask", packing.block_mask)
-        monkeypatch.setattr(model_module, "_flex_attention", lambda: flex_attention)
-        flex, _ = packing.forward(model, mb, "cpu", 1.0)
-    assert torch.allclose(dense, flex, atol=1e-5), (dense - flex).abs().max()

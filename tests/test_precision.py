@@ -3,7 +3,8 @@
 setup_dist() builds a one-rank gloo group in-process (no torchrun, no network), shard() wraps
 the fp32 model with a bf16 MixedPrecisionPolicy. A step at lr 1e-6 must move the fp32 weights
 by exactly AdamW's step computed by hand from the gradient (bf16 weights could not hold it),
-and unsharded() must gather every block (FSDP2's unshard is not recursive) and free them after.
+and the weight sync (PolicySampler.refresh) must copy every unit's weights (FSDP2's unshard is not
+recursive) and leave the training layout as it found it.
 
     pytest -q tests/test_precision.py
 """
@@ -71,23 +72,26 @@ def test_bf16_compute_updates_fp32_masters_by_the_adamw_step(one_rank):
 
 
 @pytest.mark.parametrize("unit", ["block", "model"])
-def test_unsharded_gathers_every_block_then_frees_them(one_rank, unit):
-    model = distributed.shard(tiny_transformer().to(one_rank), torch.bfloat16, unit)
+def test_weight_sync_copies_every_unit_then_leaves_the_shards(one_rank, unit):
+    """PolicySampler.refresh gathers each FSDP2 unit (root and blocks) in turn: the copy holds the
+    bf16 rounding of every fp32 master, and the trained model is back to its fp32 shards with
+    the reshard policy it had (the weight sync changes no FSDP2 setting)."""
+    from config import SamplingConfig
+    from policy_sampler import PolicySampler
+    plain = tiny_transformer()
+    want = {n: p.detach().to(torch.bfloat16) for n, p in plain.named_parameters()}
+    model = distributed.shard(plain.to(one_rank), torch.bfloat16, unit)
     units = distributed.fsdp_modules(model)
     assert len(units) == (1 + len(model.layers) if unit == "block" else 1)
-    with distributed.unsharded(model):
-        for n, p in model.named_parameters():  # every parameter gathered, in the compute dtype
-            assert not isinstance(p, DTensor) and p.dtype == torch.bfloat16, n
-        with torch.no_grad():
-            model(torch.tensor([[1, 2, 3]], device=one_rank))
-        for n, p in model.named_parameters():  # a forward inside does not reshard anything
-            assert not isinstance(p, DTensor), n
+    groups = [u._get_fsdp_state()._fsdp_param_group for u in units]
+    policy = [g.post_forward_mesh_info for g in groups]
+    sampler = PolicySampler(model, SamplingConfig(kv_budget_tokens=64, block_size=16), dtype=torch.bfloat16)
+    sampler.refresh(model)
+    for n, p in sampler.model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p.cpu(), want[n].cpu()), n
     for n, p in model.named_parameters():  # back to the fp32 shards only
         assert isinstance(p, DTensor) and p.dtype == torch.float32, n
-    # the training policy is back: blocks reshard after forward, the root keeps its weights
-    groups = [u._get_fsdp_state()._fsdp_param_group for u in units]
-    assert groups[0].post_forward_mesh_info is None
-    assert all(g.post_forward_mesh_info is not None for g in groups[1:])
+    assert [g.post_forward_mesh_info for g in groups] == policy
 
 
 def test_unknown_fsdp_unit_is_refused(one_rank):

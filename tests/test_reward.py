@@ -5,6 +5,7 @@ shaping, and execution match on the real Spider dev set.
 Run: .venv/bin/pytest tests/test_reward.py -q
 """
 import collections
+import dataclasses
 import itertools
 import re
 import sqlite3
@@ -14,6 +15,7 @@ from conftest import HAVE_SPIDER, SPIDER, SPIDER_MISSING
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import config as C
 import reward
 from config import RewardConfig
 
@@ -245,11 +247,16 @@ def test_dense_shaping_numbers():
              {"kind": "query", "arg": "q3", "ok": True, "rows": [(1,), (2,)]},  # + 0.15 * 0.5
              {"kind": "answer", "arg": "q3", "ok": True, "rows": None}]  # terminal: not shaped
     want = 0.025 - 0.015 + (0.025 + 0.075) - 0.005 + (0.025 + 0.075)
-    assert reward.dense_shaping(steps, gold) == pytest.approx(want)
+    cfg = C.RewardConfig()  # sql_env's values
+    assert reward.dense_shaping(steps, gold, cfg) == pytest.approx(want)
     many = [{"kind": "sample", "arg": f"t{i}", "ok": True, "rows": None} for i in range(20)]
-    assert reward.dense_shaping(many, None) == pytest.approx(20 * 0.015 + 0.10)  # new info capped
-    assert reward.dense_shaping([{"kind": "query", "arg": "x", "ok": True, "rows": [(i,) for i in range(10)]}],
-                                [(i,) for i in range(10)]) <= 0.5  # clamped per step
+    assert reward.dense_shaping(many, None, cfg) == pytest.approx(20 * 0.015 + 0.10)  # new info capped
+    one_query = [{"kind": "query", "arg": "x", "ok": True, "rows": [(i,) for i in range(10)]}]
+    assert reward.dense_shaping(one_query, [(i,) for i in range(10)], cfg) == pytest.approx(-0.005 + 0.03 + 0.15)
+    # the keys move it: no step cost, a larger progress weight, a clamp that bites (1.03 -> 0.6)
+    other = dataclasses.replace(cfg, dense_step=0.0, dense_progress=1.0, dense_step_max=0.6)
+    assert reward.dense_shaping(steps[2:3], gold, other) == pytest.approx(0.02 + 0.01 + 0.5)
+    assert reward.dense_shaping(one_query, [(i,) for i in range(10)], other) == pytest.approx(0.6)
 
 
 @pytest.fixture(scope="module")
@@ -395,5 +402,5 @@ def test_conversation_pieces_only_in_conversation_format(monkeypatch):
     import types
     import rollout
     monkeypatch.setattr(rollout, "conversation_wrapper", lambda tok: ("<|im_end|>", "\nU\n", ""))
-    assert reward.conversation_pieces(None, types.SimpleNamespace(conversation="conversation")) == ("<|im_end|>", "\nU\n")
-    assert reward.conversation_pieces(None, types.SimpleNamespace(conversation="single")) == ()
+    assert rollout.conversation_pieces(None, types.SimpleNamespace(conversation="conversation")) == ("<|im_end|>", "\nU\n")
+    assert rollout.conversation_pieces(None, types.SimpleNamespace(conversation="single")) == ()

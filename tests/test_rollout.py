@@ -197,7 +197,7 @@ def test_paged_extend_then_decode_equals_full_forward(tok, model):
                          + [cache.scratch * bs] * (T - len(c)))
         width = max(map(len, tables))
         table = torch.tensor([t + [cache.scratch] * (width - len(t)) for t in tables])
-        out = model(torch.tensor(ids), positions=torch.tensor(pos), cache=PagedBatch(cache, torch.tensor(slots), table))
+        out = model.forward_paged(torch.tensor(ids), torch.tensor(pos), PagedBatch(cache, torch.tensor(slots), table))
         for b, c in enumerate(chunks):
             cached[b] += len(c)
         return out  # (B, T, V)
@@ -409,11 +409,9 @@ def test_actions_protocol_episode_limit_is_step_budget(tok, db, model):
 
 
 @pytest.mark.parametrize("conversation", ["single", "conversation"])
-def test_sft_observations_are_the_rollouts(tok, conversation):
-    """The gold trajectories (sft.py) wrap observations with the rollout's own function."""
-    import gold
+def test_observation_after_a_sampled_end_of_turn(tok, conversation):
+    """After a sampled <|im_end|> the conversation wrapper does not close the turn again."""
     obs = EnvConfig().obs_template.format(result="n\n3", turns_left=2)
-    assert gold.observation_ids(tok, obs, conversation) == observation_ids(tok, obs, conversation)
     if conversation == "conversation":  # after a sampled <|im_end|>, the wrapper does not close again
         eos = tok.convert_tokens_to_ids("<|im_end|>")
         assert observation_ids(tok, obs, conversation, last_id=eos) == observation_ids(tok, obs, conversation)[1:]

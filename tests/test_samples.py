@@ -16,8 +16,8 @@ from conftest import ROOT, build_tiny_assets
 
 import config as C
 import episodes
+import run_log
 import samples
-import train
 
 
 def test_samples_jsonl_and_offline_wandb_table_hold_the_same_episodes(tmp_path):
@@ -71,7 +71,7 @@ def test_evaluate_logs_recovery_counts_and_rate(tmp_path, monkeypatch):
     cfg = C.load_config([f"--train.out_dir={tmp_path}", "--wandb.mode=disabled"])
     eps = [_episode(0, True), _episode(0, False), _episode(None, True), _episode(3, True), _episode(2, False)]
     monkeypatch.setattr(episodes, "run_episodes", lambda *a, **k: ([t for t, _ in eps], [r for _, r in eps], 0.1, 0.0))
-    log = train.Log(cfg, 0)
+    log = run_log.Log(cfg, 0)
     m = episodes.evaluate(None, None, list(range(5)), cfg, 0, 1, torch.device("cpu"), log, 4)
     assert (m["eval/first_query_bad"], m["eval/recovered"], m["eval/recovery_rate"]) == (3, 2, 2 / 3)
     eps[:] = [_episode(1, True)]

@@ -49,7 +49,7 @@ def make_cfg(assets, protocol, conversation, *extra):
 def play(assets, cfg):
     _, root, recs, tok, _ = assets
     dbs = [dataset.abs_db_path(r, root) for r in recs]
-    prompts = gold.render_prompts(tok, recs, cfg.data, cfg.env.protocol, root)
+    prompts = [rollout.render_prompt(tok, r, cfg.data, cfg.env.protocol, root) for r in recs]
     return prompts, dbs, gold.gold_episodes(recs, prompts, tok, cfg, dbs)
 
 
@@ -75,7 +75,7 @@ def test_gold_episodes_are_well_formed_and_get_the_full_reward(assets, protocol,
     _, root, recs, tok, _ = assets
     cfg = make_cfg(assets, protocol, conversation)
     prompts, dbs, eps = play(assets, cfg)
-    pieces = reward.conversation_pieces(tok, cfg.env)
+    pieces = rollout.conversation_pieces(tok, cfg.env)
     scores = reward.episode_rewards([{"db_path": d, "gold_sql": r["gold_sql"], "response": e.text,
                                       "final_sql": e.final_sql, "finished": e.finished, "steps": e.steps}
                                      for d, r, e in zip(dbs, recs, eps)], cfg.reward, protocol, pieces)
@@ -94,8 +94,8 @@ def test_gold_episodes_are_well_formed_and_get_the_full_reward(assets, protocol,
                 ["query"] * len(lookups) + ["answer"], kinds
             assert e.text.endswith(f"<action>ANSWER {r['gold_sql']}</action>")
         assert [st["arg"] for st in e.steps if st["kind"] in ("sql", "query")] == lookups
-        if r["id"] == "first-lookup":  # the failed lookup, then the one that shows the code
-            assert [st["n_rows"] for st in e.steps if st["kind"] in ("sql", "query")] == [0, 1]
+        if r["id"] == "first-lookup":  # the failed lookup, then the one that shows the code and its twin
+            assert [st["n_rows"] for st in e.steps if st["kind"] in ("sql", "query")] == [0, 2]
             assert e.text.count("(0 rows)") == 1
         model_side = tok.decode([i for i, m in zip(e.ids, e.mask) if m])
         assert "<observation>" not in model_side and "<|im_start|>" not in model_side  # never trained on

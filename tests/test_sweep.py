@@ -50,6 +50,8 @@ def test_bad_grid_key_fails_before_anything_runs(tmp_path):
         sweep.main(["configs/tiny.yaml", "--grid", "grpo.los=grpo", "--out", str(tmp_path)])
     with pytest.raises(C.ConfigError, match="grpo.loss"):
         sweep.main(["configs/tiny.yaml", "--grid", "grpo.loss=grpo,ppo", "--out", str(tmp_path)])
+    with pytest.raises(C.ConfigError, match="point 'grpo.group_size=1'.*grpo.group_size"):  # a value out of range
+        sweep.main(["configs/tiny.yaml", "--grid", "grpo.group_size=4,1", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())  # nothing written, nothing run
 
 
@@ -127,7 +129,7 @@ def test_real_sweep_of_two_points_then_resume(assets, tmp_path, capsys):
         saved = yaml.safe_load((d / "ckpt_000001" / "config.yaml").read_text())  # the run's resolved config
         assert saved["grpo"]["loss"] == loss and saved["train"]["seed"] == 3 and saved["train"]["threads"] == 1
         assert set(sweep.eval_curve(d)) == {0, 1}  # before GRPO and after the last step
-        # rollout/trainer consistency through the real sampler and train.update: in fp32 on CPU the
+        # rollout/trainer consistency through the real sampler and policy_update.update: in fp32 on CPU the
         # sampler's recorded logprobs equal the trainer's on every response token
         recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
         mism = [r for r in recs if "train/mismatch_abs_max" in r]

@@ -211,8 +211,9 @@ def test_gold_trajectories_follow_the_format_and_score_one(toy):
     gets the lookup alone (no turn for the failed one)."""
     import config as C
     import env
-    import reward
     import gold
+    import reward
+    import rollout
     import tiny
     from transformers import AutoTokenizer
     out, _ = toy
@@ -224,7 +225,7 @@ def test_gold_trajectories_follow_the_format_and_score_one(toy):
     cfg = C.load_config(["--env.max_turns=3", "--sft.think_text=", "--sft.with_tool_turn=false",
                          "--data.prompt_template=compact"])
     two_turns = C.load_config(["--env.max_turns=2", "--sft.think_text=", "--data.prompt_template=compact"])
-    prompts = gold.render_prompts(tok, recs, cfg.data, "tags", str(out))
+    prompts = [rollout.render_prompt(tok, r, cfg.data, "tags", str(out)) for r in recs]
     episodes = []
     for r, p in zip(recs, prompts):
         ids, mask = gold.gold_trajectory(r, p, tok, cfg, r["db_file"])

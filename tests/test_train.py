@@ -13,16 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
 import config as C
 import distributed
 import episodes
 import gold
 import optim
 import rollout
+import run_log
 import sft
 import tiny
 import train
-from conftest import ROOT, torchrun_env
+from conftest import ROOT, grpo_update, torchrun_env
 from model import Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -39,7 +41,7 @@ def tiny_model(tmp_path_factory):
 
 def test_grpo_update_raises_reward_on_trivial_task(tiny_model):
     """Reward = fraction of sampled tokens equal to one target token. A handful of GRPO updates
-    through train.update (the real loss, masks and normaliser) must raise it clearly."""
+    through policy_update.update (the real loss, masks and normaliser) must raise it clearly."""
     path, tok = tiny_model
     torch.manual_seed(0)
     model = Transformer.from_pretrained(path)
@@ -64,7 +66,7 @@ def test_grpo_update_raises_reward_on_trivial_task(tiny_model):
         trajs, r = sample(step)
         adv = train.grpo.advantages(r, G, "group")
         model.train()
-        train.update(model, None, opt, sch, trajs, adv, cfg, 1, torch.device("cpu"))
+        grpo_update(model, None, opt, sch, trajs, adv, cfg)
     _, r1 = sample(1000)
     assert r1.mean() > r0.mean() + 0.25, (float(r0.mean()), float(r1.mean()))
 
@@ -78,7 +80,7 @@ def test_sft_gold_trajectory_masks_model_side(tmp_path, tiny_model):
     ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=1)[0]
     for conv in ("single", "conversation"):
         cfg = C.load_config([f"--env.conversation={conv}", "--data.prompt_template=compact"])
-        p = gold.render_prompts(tok, [ex], cfg.data, "tags", str(tmp_path))[0]
+        p = rollout.render_prompt(tok, ex, cfg.data, "tags", str(tmp_path))
         ids, mask = gold.gold_trajectory(ex, p, tok, cfg, dataset.abs_db_path(ex, str(tmp_path)))
         assert ids[:len(p)] == p and not any(mask[:len(p)])
         model_text = tok.decode([i for i, m in zip(ids, mask) if m])
@@ -105,20 +107,34 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
     checks, steps = [], []
     curve = {10: 0.1, 20: 0.5, 30: 0.85}  # the stubbed training EX at each check
 
-    def fake_evaluate(model, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
-        checks.append((step, prefix, len(exs)))
+    def fake_evaluate(sampler, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
+        checks.append((step, prefix, len(exs), sampler.refreshes))
         return {f"{prefix}/ex": curve[step]}
     real_step = optim.step_optimizer
     monkeypatch.setattr(optim, "step_optimizer", lambda *a: steps.append(1) or real_step(*a))
-    log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
+    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
     model = Transformer.from_pretrained(path)
-    sft.run_sft(model, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log, fake_evaluate)
+    sampler = CountingSampler()
+    synced = sft.run_sft(model, sampler, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log)
     if threshold == 0.0:
-        assert checks == [] and len(steps) == 40
+        assert checks == [] and len(steps) == 40 and sampler.refreshes == 0 and not synced
     else:
         expected = [10, 20] if stops_at else [10, 20, 30]  # none at step 40: the run ends there anyway
-        assert [c[0] for c in checks] == expected and {c[1:] for c in checks} == {("sft/train", 128)}
-        assert len(steps) == (stops_at or 40)
+        assert [c[0] for c in checks] == expected and {c[1:3] for c in checks} == {("sft/train", 128)}
+        # one weight sync before each check (the weights moved since the last one), none otherwise
+        assert [c[3] for c in checks] == list(range(1, len(expected) + 1)) == list(range(1, sampler.refreshes + 1))
+        assert len(steps) == (stops_at or 40) and synced == bool(stops_at)  # stopped on a check: in sync
+
+
+class CountingSampler:
+    """Stands in for policy_sampler.PolicySampler where evaluate is stubbed: counts weight syncs."""
+
+    def __init__(self):
+        self.refreshes = 0
+
+    def refresh(self, model):
+        self.refreshes += 1
 
 
 @pytest.mark.parametrize("curve, stops_at, check_from", [
@@ -126,7 +142,7 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
     ({10: (0.1, 0.0), 20: (0.5, None), 30: (0.6, 0.0)}, 20, 0),  # no first query failed: nothing to recover
     ({10: (0.5, 0.2), 20: (0.6, 0.2), 30: (0.7, 0.2)}, None, 0),  # never recovers enough: the cap
     ({10: (0.5, 0.5), 20: (0.5, 0.5), 30: (0.6, 0.3)}, 30, 25)])  # no check before stop_check_from
-def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, curve, stops_at, check_from):
+def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, monkeypatch, curve, stops_at, check_from):
     """sft.stop_at_train_recovery: the stop also needs the check's recovery rate (first query
     empty or failed, episode still right) at or above it; sft.stop_check_from: the first check."""
     path, tok = tiny_model
@@ -141,13 +157,14 @@ def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, curve, stops
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=300)
     checks = []
 
-    def fake_evaluate(model, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
+    def fake_evaluate(sampler, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
         checks.append(step)
         ex, recovery = curve[step]
         return {f"{prefix}/ex": ex, **({f"{prefix}/recovery_rate": recovery} if recovery is not None else {})}
-    log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
-    sft.run_sft(Transformer.from_pretrained(path), tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log,
-                fake_evaluate)
+    monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
+    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
+                torch.device("cpu"), log)
     assert checks == [c for c in range(10, (stops_at or 30) + 1, 10) if c >= check_from]
     stops = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "sft/stopped_at" in line]
     assert [m["sft/stopped_at"] for m in stops] == ([stops_at] if stops_at else [])
@@ -157,7 +174,7 @@ def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, curve, stops
     (0.3, 2, [10, 20, 22, 24, 26], 26),  # step 20 reaches 0.3: every 2 steps from there
     (0.0, 2, [10, 20, 30], 30),  # stop_near_ex 0: the coarse grid only, overshooting to 0.85
     (0.9, 2, [10, 20, 30], 30)])  # never near: the coarse grid
-def test_sft_checks_finer_near_the_threshold(tmp_path, tiny_model, near, every_near, checks, stops_at):
+def test_sft_checks_finer_near_the_threshold(tmp_path, tiny_model, monkeypatch, near, every_near, checks, stops_at):
     """sft.stop_near_ex / sft.stop_check_every_near: once a check's training EX reaches stop_near_ex,
     the warm start checks every stop_check_every_near steps, so it stops soon after the climb
     crosses stop_at_train_ex instead of at the next coarse check far above it."""
@@ -174,12 +191,13 @@ def test_sft_checks_finer_near_the_threshold(tmp_path, tiny_model, near, every_n
     curve = {10: 0.1, 20: 0.3, 22: 0.35, 24: 0.45, 26: 0.55, 28: 0.7, 30: 0.85}  # a steep climb
     seen = []
 
-    def fake_evaluate(model, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
+    def fake_evaluate(sampler, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
         seen.append(step)
         return {f"{prefix}/ex": curve[step]}
-    log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
-    sft.run_sft(Transformer.from_pretrained(path), tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log,
-                fake_evaluate)
+    monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
+    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
+                torch.device("cpu"), log)
     assert seen == checks
     stops = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "sft/stopped_at" in line]
     assert [m["sft/stopped_at"] for m in stops] == [stops_at]
@@ -219,9 +237,9 @@ def test_sft_loss_runs_in_training_mode(tmp_path, tiny_model, monkeypatch):
     modes, real_loss = [], sft.sft_loss_sum
     monkeypatch.setattr(sft, "sft_loss_sum", lambda model, *a, **kw: modes.append(model.training) or
                         real_loss(model, *a, **kw))
-    log = train.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
     model = Transformer.from_pretrained(path)
-    sft.run_sft(model, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log, episodes.evaluate)
+    sft.run_sft(model, CountingSampler(), tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log)
     assert modes and all(modes) and not model.training
 
 
@@ -417,3 +435,87 @@ def test_memory_estimate_counts_the_one_rank_fsdp2_layout():
         est = distributed.memory_estimate(m, C.load_config([f"--model.dtype={dtype}"]), world=1)
         assert abs(est["params"] - 4 * n / gb) < 1e-12 and abs(est["adam"] - 8 * n / gb) < 1e-12
         assert abs(est["rollout_weights"] - unsharded_bytes * n / gb) < 1e-12
+
+
+def test_load_splits_reports_both_files_at_once_and_skips_failing_golds(tmp_path, tiny_model):
+    """Data problems of both splits (a malformed line, a 0-byte database) in one error before the
+    warm start; a gold that fails on its database is skipped and named; every gold failing is an
+    error (the issue: a run whose golds all failed trained to the end, reward never 1)."""
+    import dataset
+    sys.path.insert(0, str(ROOT / "data"))
+    from prepare_toy import prepare_toy
+    toy = tmp_path / "toy"
+    prepare_toy(str(toy), seed=0)
+    _, tok = tiny_model
+    train_lines = (toy / "train.jsonl").read_text().splitlines()[:20]
+    eval_lines = (toy / "eval.jsonl").read_text().splitlines()[:10]
+
+    class Printed(list):
+        def print(self, *a):
+            self.append(" ".join(map(str, a)))
+
+    def load(train_lines, eval_lines):
+        (tmp_path / "train.jsonl").write_text("\n".join(train_lines) + "\n")
+        (tmp_path / "eval.jsonl").write_text("\n".join(eval_lines) + "\n")
+        cfg = C.load_config([f"--data.train_path={tmp_path}/train.jsonl", f"--data.eval_path={tmp_path}/eval.jsonl",
+                             f"--data.db_root={toy}", "--data.prompt_template=compact", "--reward.mode=set"])
+        log = Printed()
+        return train.load_splits(tok, cfg, log, 0, 1), log
+
+    def with_field(line, **kw):
+        return json.dumps({**json.loads(line), **kw})
+
+    (toy / "zero.sqlite").write_bytes(b"")
+    bad_train = train_lines[:2] + ["{not json"] + train_lines[2:]
+    bad_eval = [with_field(eval_lines[0], db_path="zero.sqlite")] + eval_lines[1:]
+    with pytest.raises(dataset.DatasetError) as e:
+        load(bad_train, bad_eval)
+    msg = str(e.value)
+    assert f"{tmp_path}/train.jsonl:3: not valid JSON" in msg, msg
+    assert f"zero.sqlite: the database is an empty file (0 bytes) (used by 1 record(s), first on {tmp_path}/eval.jsonl:1" in msg
+    # one failing gold: skipped and named
+    (train_ex, eval_ex), log = load([with_field(train_lines[0], gold_sql="SELECT nope FROM nowhere")] + train_lines[1:],
+                                    eval_lines)
+    assert len(train_ex) == 19 and len(eval_ex) == 10
+    assert log == [f"WARNING: train: skipped 1 of 20 examples whose gold query fails on its database: "
+                   f"{tmp_path}/train.jsonl:1: no such table: nowhere"]
+    with pytest.raises(dataset.DatasetError, match=r"eval: every gold query \(10\) fails on its database"):
+        load(train_lines, [with_field(line, gold_sql="SELECT 1 FROM nowhere") for line in eval_lines])
+
+
+def test_log_rewinds_to_a_checkpoint_and_sets_an_earlier_attempt_aside(tmp_path):
+    """Resume: what was logged after the checkpoint is cut (the steps run again, logged once);
+    a fresh start moves an earlier attempt's lines aside (a run stopped in its warm start had them)."""
+    cfg = C.load_config([f"--train.out_dir={tmp_path}"])
+    log = run_log.Log(cfg, 0)
+    log.metrics(1, {"train/reward": 0.5})
+    (tmp_path / "samples.jsonl").write_text('{"step": 1}\n')
+    sizes = log.sizes()
+    assert sizes == {"metrics.jsonl": len('{"step": 1, "train/reward": 0.5}\n'), "samples.jsonl": 12}
+    log.metrics(2, {"train/reward": 0.7})
+    with open(tmp_path / "samples.jsonl", "a") as fh:
+        fh.write('{"step": 2}\n')
+    log.rewind(sizes)
+    log.metrics(2, {"train/reward": 0.6})
+    assert [(r["step"], r["train/reward"]) for r in read_metrics(tmp_path)] == [(1, 0.5), (2, 0.6)]
+    assert (tmp_path / "samples.jsonl").read_text() == '{"step": 1}\n'
+    log.rewind(None)  # a checkpoint written before log_sizes existed: left as it is
+    assert len(read_metrics(tmp_path)) == 2
+    log.set_aside()
+    log.metrics(1, {"sft/loss": 3.0})
+    assert read_metrics(tmp_path) == [{"step": 1, "sft/loss": 3.0}]
+    moved = sorted(p.name for p in tmp_path.glob("*.jsonl.*"))
+    assert [m.split(".jsonl.")[0] for m in moved] == ["metrics", "samples"]
+
+
+def test_a_fresh_start_sets_an_earlier_runs_checkpoints_aside(tmp_path):
+    """train.resume=false in an out_dir with an earlier run's ckpt_000024: the new run's ckpt_000008
+    would be pruned before it and a later resume would continue the old run."""
+    for step in (0, 24):
+        (tmp_path / f"ckpt_{step:06d}").mkdir()
+        (tmp_path / f"ckpt_{step:06d}" / "trainer.pt").write_text("old")
+    moved = checkpoint.set_aside(str(tmp_path))
+    assert checkpoint.latest(str(tmp_path)) is None
+    assert sorted(p.name for p in Path(moved).iterdir()) == ["ckpt_000000", "ckpt_000024"]
+    assert (Path(moved) / "ckpt_000024" / "trainer.pt").read_text() == "old"  # nothing lost
+    assert checkpoint.set_aside(str(tmp_path)) is None  # nothing left to move

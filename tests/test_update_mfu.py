@@ -1,6 +1,6 @@
 """bench/update_mfu.py's FLOP counting against hand counts (the kept attention pairs of a packed
 row, the non-embedding parameters, the useful and hardware FLOPs of a micro-batch), the pair
-count against packing's dense mask on random packings, and a tiny CPU run of the benchmark.
+count against the dense mask (bench/padded.py) on random packings, and a tiny CPU run of the benchmark.
 
     .venv/bin/python -m pytest -q tests/test_update_mfu.py
 """
@@ -16,6 +16,7 @@ from model import ModelArgs, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+import padded  # noqa: E402  (bench/padded.py: the dense mask reference)
 import update_mfu  # noqa: E402
 
 ARGS = ModelArgs(model_type="qwen2", vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -55,7 +56,7 @@ def test_kept_pairs_equal_the_dense_mask_on_random_packings():
         width = max(len(r.ids) for r in mb.rows) + rng.randint(0, 9)
         doc = packing.pad([r.doc for r in mb.rows], -1, "cpu", width=width)
         seg = packing.pad([r.seg for r in mb.rows], 0, "cpu", width=width)
-        dense = packing.attention_mask(doc, seg)[:, 0] & (doc >= 0)[:, :, None]  # padding queries left out
+        dense = padded.dense_mask(doc, seg)[:, 0] & (doc >= 0)[:, :, None]  # padding queries left out
         assert update_mfu.kept_pairs(doc, seg) == int(dense.sum())
 
 
@@ -69,7 +70,9 @@ def test_flops_hand_count():
     # useful: 6 x (N tokens + 2 L H D pairs + C V loss tokens) = 6 x (15648 x 10 + 128 x 29 + 32 x 97 x 6)
     useful = 6 * (156480 + 3712 + 18624)
     # hardware: 8 x (...) over the kernel's pairs and the padded width
-    cases = {("dense", 10): 8 * (156480 + 128 * 100 + 18624),  # SDPA with a bool mask: all T^2 pairs
+    # CPU segment rows: [prompt | response 1] (5), [prompt | response 2] (4), the lone sequence (4);
+    # buckets [5] and [4, 4]: 15 + 2 x 10 pairs
+    cases = {("segments", 10): 8 * (156480 + 128 * 35 + 18624),
              ("causal", 10): 8 * (156480 + 128 * 55 + 18624),  # T (T + 1) / 2
              ("flex", 128): 8 * (15648 * 128 + 128 * 128 * 128 + 18624)}  # one 128 x 128 block, 128 tokens
     for (kernel, width), hardware in cases.items():

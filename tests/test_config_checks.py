@@ -1,0 +1,166 @@
+"""config_checks.py: every numeric key has a range, each value outside it is refused naming the key,
+the keys that must agree do, the model folder is checked before anything loads, and train.py
+refuses a bad config at once: one line, exit 1, nothing run.
+
+    .venv/bin/pytest -q tests/test_config_checks.py
+"""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import config as C
+import config_checks
+from conftest import ROOT
+
+
+def numeric_keys():
+    return sorted(k for k, v in C.all_keys().items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def test_every_numeric_key_has_a_range():
+    """A new int/float key must say which values it takes (else it goes unchecked)."""
+    assert sorted(config_checks.RANGES) == numeric_keys()
+
+
+def outside(rule: str, value):
+    """A value just outside a RANGES rule (an int for an int key)."""
+    if rule == "any":
+        return math.nan if isinstance(value, float) else None
+    if rule.startswith(">="):
+        bound = float(rule[2:])
+        return int(bound) - 1 if isinstance(value, int) else bound - 0.5
+    if rule.startswith(">"):
+        return type(value)(float(rule[1:]))
+    low, high = (float(x) for x in rule[1:-1].split(","))
+    return high if rule[-1] == ")" else (low if rule[0] == "(" else high + 0.5)
+
+
+@pytest.mark.parametrize("key", numeric_keys())
+def test_each_value_outside_its_range_is_refused_naming_the_key(key):
+    rule, _ = config_checks.RANGES[key]
+    default = C.all_keys()[key]
+    bad = outside(rule, default)
+    assert bad is not None, f"{key}: an int key with rule 'any' takes every value: give it a range"
+    group, name = key.split(".")
+    cfg = C.Config()
+    setattr(getattr(cfg, group), name, bad)
+    with pytest.raises(C.ConfigError, match=rf"\b{key} must be"):
+        config_checks.validate(cfg)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_and_the_defaults_pass(path):
+    for world in (1, 2, 8, 16):
+        config_checks.validate(C.load_config([str(path)]), world)
+    config_checks.validate(C.Config())
+
+
+def test_the_silently_wrong_values_of_the_issue_are_all_named_at_once():
+    """group_size 1 (advantage 0 for every sample: nothing learned), temperature -1 (the sampler goes
+    greedy while the trainer divides logits by -1), max_turns 0 (one turn ran anyway)."""
+    cfg = C.load_config(["--grpo.group_size=1", "--sampling.temperature=-1", "--env.max_turns=0"])
+    with pytest.raises(C.ConfigError) as e:
+        config_checks.validate(cfg)
+    msg = str(e.value)
+    assert msg.startswith("3 problems:")
+    for key in ("grpo.group_size must be >= 2, got 1", "sampling.temperature must be > 0, got -1.0",
+                "env.max_turns must be >= 1, got 0"):
+        assert key in msg, msg
+    assert len(msg.splitlines()) == 4  # a header, then one line per problem
+
+
+def test_prompts_per_step_divisible_by_the_world_size():
+    cfg = C.load_config(["--grpo.prompts_per_step=7"])
+    config_checks.validate(cfg, world=1)
+    with pytest.raises(C.ConfigError, match=r"grpo.prompts_per_step=7 must be divisible by the world size 2"):
+        config_checks.validate(cfg, world=2)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["--sampling.kv_budget_tokens=1000", "--sampling.max_context=2000"], "kv_budget_tokens=1000 must hold"),
+    (["--grpo.rollout_is_low=5", "--grpo.rollout_is_high=2"], "rollout_is_low .* below"),
+    (["--grpo.dual_clip_c=0.5"], "dual_clip_c must be 0 .* or > 1"),
+    (["--reward.correct=0", "--reward.wrong=0"], "reward.correct .* above reward.wrong"),
+    (["--reward.dense_step_min=0.6"], "reward.dense_step_min .* not be above reward.dense_step_max"),
+    (["--model.tiny_hidden_size=100", "--model.tiny_heads=3"], "tiny_hidden_size=100 must be"),
+    (["--model.tiny_heads=4", "--model.tiny_kv_heads=3"], "tiny_heads=4 must be a multiple"),
+    (["--env.fetch_rows=10", "--env.max_result_rows=50"], "env.fetch_rows=10 must be at least"),
+    (["--model.lora_rank=8", "--model.lora_targets=q,x"], "model.lora_targets"),
+    (["--train.out_dir="], "train.out_dir must not be empty"),
+    (["--wandb.mode=offline", "--wandb.project="], "wandb.project"),
+    (["--env.obs_template=<o>{result} {turn_left}</o>"], "env.obs_template names turn_left"),
+    (["--env.error_text=Error: {error"], "env.error_text is not a format string"),
+    (["--optim.lr=.inf"], "optim.lr must be > 0, got inf"),
+])
+def test_keys_that_must_agree(overrides, match):
+    with pytest.raises(C.ConfigError, match=match):
+        config_checks.validate(C.load_config(overrides))
+
+
+def test_a_yaml_syntax_error_is_one_line_with_its_place(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("grpo:\n  group_size: 4\n  loss: [grpo\n")
+    with pytest.raises(C.ConfigError) as e:
+        C.load_config([str(p)])
+    assert str(e.value).startswith(f"{p}: YAML syntax error at line 4, column 1:") and "\n" not in str(e.value)
+
+
+def test_model_folder_checks(tmp_path):
+    import tiny
+    good = tmp_path / "good"
+    tiny.build_tiny(str(good), vocab_size=300, hidden_size=16, layers=1, heads=2, kv_heads=1)
+    config_checks.check_model_folder(str(good))
+    with pytest.raises(C.ConfigError, match="model.path .*nope: no such folder"):
+        config_checks.check_model_folder(str(tmp_path / "nope"))
+    only_config = tmp_path / "only_config"  # the issue: "chat_template is not set" from deep inside
+    only_config.mkdir()
+    shutil.copy(good / "config.json", only_config)
+    with pytest.raises(C.ConfigError, match="--model .*only_config: no tokenizer"):
+        config_checks.check_model_folder(str(only_config), "--model")
+    no_template = tmp_path / "no_template"
+    shutil.copytree(good, no_template)
+    tc = json.loads((no_template / "tokenizer_config.json").read_text())
+    del tc["chat_template"]
+    (no_template / "tokenizer_config.json").write_text(json.dumps(tc))
+    with pytest.raises(C.ConfigError, match="no chat template"):
+        config_checks.check_model_folder(str(no_template))
+    (no_template / "config.json").unlink()
+    with pytest.raises(C.ConfigError, match="no config.json"):
+        config_checks.check_model_folder(str(no_template))
+
+
+def run_train(args, timeout=120):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_train_refuses_a_bad_config_before_anything_runs(tmp_path):
+    """Before: exit 0 after a whole run with group_size 1 ('equal rewards: no update' every step).
+    Now: one line on stderr, exit 1, and nothing written: no toy set, no model, no out_dir."""
+    out = tmp_path / "run"
+    p = run_train(["configs/tiny.yaml", "--grpo.group_size=1", f"--train.out_dir={out}",
+                   f"--model.path={tmp_path}/model", f"--data.db_root={tmp_path}/toy",
+                   f"--data.train_path={tmp_path}/toy/train.jsonl", f"--data.eval_path={tmp_path}/toy/eval.jsonl"])
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and p.stderr.startswith(
+        "config error: grpo.group_size must be >= 2, got 1"), p.stderr
+    assert "Traceback" not in p.stdout + p.stderr
+    assert not any(tmp_path.iterdir())  # no out_dir, toy set or model: nothing ran
+
+
+def test_train_refuses_a_missing_model_before_the_process_group(tmp_path, monkeypatch):
+    """build_tiny false and no model there: this was gloo's "Connection closed by peer" on the
+    other ranks (rank 0 failed inside prepare_assets while they waited at a barrier)."""
+    import train
+    monkeypatch.setattr(sys, "argv", ["train.py", "configs/tiny.yaml", "--model.build_tiny=false",
+                                      f"--model.path={tmp_path}/missing", f"--train.out_dir={tmp_path}/run"])
+    with pytest.raises(C.ConfigError, match=f"^model.path {tmp_path}/missing: no such folder$"):
+        train.main()
+    assert not (tmp_path / "run").exists()  # before the out_dir lock, the process group, anything
+
