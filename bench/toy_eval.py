@@ -1,6 +1,6 @@
 """Held-out EX on the toy set, split into questions that need the tool and those answerable directly.
 
-    .venv/bin/python bench/toy_eval.py --model runs/tiny/ckpt_000024/hf [--config configs/tiny.yaml]
+    .venv/bin/python bench/toy_eval.py --model runs/tiny/ckpt_000040/hf [--config configs/tiny.yaml]
                                        [--data runs/toy/eval.jsonl] [--db-root runs/toy] [--max-turns N]
 
 Runs `eval.py generate` (greedy, the training rollout) into --out, then joins its traces.jsonl with
