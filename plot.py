@@ -5,7 +5,8 @@
     python plot.py runs/tiny --follow           # redraw while the run goes; stops at its end or Ctrl-C
 
 Panels (x = GRPO step): reward and format-error rate; train vs held-out EX (eval/ex: the
-overfitting view); turns and tool calls per episode (train, and eval dashed); time per step split
+overfitting view) with the held-out recovery rate beside it (eval/recovery_rate: the share of the
+episodes whose first query came back empty or failed that still ended right); turns and tool calls per episode (train, and eval dashed); time per step split
 into rollout / reward / update; the SFT warm-start loss and held-out EX (its own step axis); grad
 norm and clip fraction. The random baseline (eval/random_ex, baseline.py) is a dotted floor in
 the EX panel. Each panel is one function in PANELS. Thin lines are per step, thick ones a running
@@ -107,16 +108,23 @@ def panel_reward(ax, s, C):
 
 
 def panel_success(ax, s, C):
-    """Train vs held-out EX as training goes, over the random baseline's floor (eval/random_ex)."""
+    """Train vs held-out EX as training goes, over the random baseline's floor (eval/random_ex),
+    and beside held-out EX the held-out recovery rate (eval/recovery_rate: of the episodes whose
+    first query came back empty or failed, the share that still ended right): what the multi-turn
+    tool use is for, and on the toy set what GRPO learns."""
     d = _line(ax, s, "train/ex", "train EX (sampled)", C[0])
     d |= _line(ax, s, "eval/ex", "held-out EX (eval)", C[1], smooth=False, marker="o")
+    _, rec = xy(s, "eval/recovery_rate")
+    if rec:
+        d |= _line(ax, s, "eval/recovery_rate", f"held-out recovery: right after an empty or failed first query "
+                   f"({100 * rec[0]:.0f}% -> {100 * rec[-1]:.0f}%)", C[2], "--", smooth=False, marker="s")
     floor = s.get("eval/random_ex")
     if floor:
         v = floor[max(floor)]
         ax.axhline(v, color="gray", ls=":", lw=1.5, label=f"random baseline, held-out ({100 * v:.1f}%)")
         d = True
     ax.set_ylim(-0.02, 1.02)
-    _finish(ax, "execution accuracy: train vs held-out", d)
+    _finish(ax, "execution accuracy (train vs held-out) and error recovery", d)
 
 
 def panel_episode(ax, s, C):

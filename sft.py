@@ -86,6 +86,26 @@ def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log):
     del full, msd, sampler
 
 
+def stop_check_questions(train_ex: list[dict], s) -> tuple[list[dict], list[dict]]:
+    """(the stop check's questions, the warm start's training examples); s: config.SFTConfig.
+    No check (stop_at_train_ex 0): none, all of train_ex. Otherwise s.stop_check_questions (128)
+    questions spread over the training set (it is ordered by database); with stop_check_unseen, those
+    of every k-th database (about 8 for 128), which the warm start then leaves out."""
+    n = s.stop_check_questions
+    if s.stop_at_train_ex <= 0:
+        return [], train_ex
+    if not s.stop_check_unseen:
+        return train_ex[::max(1, len(train_ex) // n)][:n], train_ex
+    dbs = list(dict.fromkeys(ex["db_id"] for ex in train_ex))
+    if len(dbs) < 10:
+        raise ValueError(f"sft.stop_check_unseen leaves whole training databases out of the warm start, "
+                         f"and the training set has {len(dbs)}: set it false")
+    per_db = len(train_ex) / len(dbs)
+    held = set(dbs[::max(1, int(len(dbs) * per_db / n))])
+    probe = [ex for ex in train_ex if ex["db_id"] in held]
+    return probe[::max(1, len(probe) // n)][:n], [ex for ex in train_ex if ex["db_id"] not in held]
+
+
 def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log) -> bool:
     """Warm start on gold trajectories (loss on model-side tokens only, token-mean over the batch).
     sampler: the model's PolicySampler, refreshed with the current weights before the evals
@@ -93,16 +113,15 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
     Returns whether the sampler holds the final weights (the run stopped right after a check)."""
     s = cfg.sft
     t0 = time.time()
+    probe, train_ex = stop_check_questions(train_ex, s)
     prompts = [rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in train_ex]
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]
     data = gold.build_dataset(train_ex, prompts, tok, cfg, db_paths)
     opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
-    # the stop check's questions: spread over the training set (it is ordered by database)
-    n = s.stop_check_questions
-    probe = train_ex[::max(1, len(train_ex) // n)][:n] if s.stop_at_train_ex > 0 else []
     synced = False  # the sampler holds this step's weights
     was_training = model.training
     model.train()  # dropout on for the loss (the evals inside run in eval mode: the engine sets it)
+    check_every = s.stop_check_every  # stop_check_every_near once a check reaches stop_near_ex
     for i, idx in enumerate(batches(len(data), s.batch_size, s.steps, cfg.train.seed, rank, world)):
         seqs = [data[j] for j in idx]
         n_tok = all_sum([sum(sum(m[1:]) for _, m in seqs)], device)[0]
@@ -120,7 +139,7 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
             log.metrics(i + 1, {"sft/loss": loss, "sft/grad_norm": grad_norm})
             log.print(f"sft {i + 1}/{s.steps} | loss {loss:.4f} | gnorm {grad_norm:.2f} | {time.time() - t0:.0f}s")
         run_eval = s.eval_every and (i + 1) % s.eval_every == 0 and i + 1 < s.steps
-        run_check = probe and (i + 1) % max(1, s.stop_check_every) == 0 and s.stop_check_from <= i + 1 < s.steps
+        run_check = probe and (i + 1) % max(1, check_every) == 0 and s.stop_check_from <= i + 1 < s.steps
         if (run_eval or run_check) and not synced:
             sampler.refresh(model)  # weight sync: the evals sample this step's weights
             synced = True
@@ -130,6 +149,8 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
             # all-reduced: every rank sees the same EX and stops at the same step
             m = episodes.evaluate(sampler, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")
             ex, recovery = m["sft/train/ex"], m.get("sft/train/recovery_rate", 1.0)  # absent: none failed
+            near = s.stop_near_ex > 0 and ex >= s.stop_near_ex and s.stop_check_every_near > 0
+            check_every = s.stop_check_every_near if near else s.stop_check_every
             if ex >= s.stop_at_train_ex and recovery >= s.stop_at_train_recovery:
                 log.metrics(i + 1, {"sft/stopped_at": i + 1})
                 log.print(f"sft: stopped at step {i + 1} of {s.steps}: training EX {100 * ex:.1f}% >= "

@@ -1,6 +1,6 @@
 """Held-out EX on the toy set, split into questions that need the tool and those answerable directly.
 
-    .venv/bin/python bench/toy_eval.py --model runs/tiny/ckpt_000024/hf [--config configs/tiny.yaml]
+    .venv/bin/python bench/toy_eval.py --model runs/tiny/ckpt_000040/hf [--config configs/tiny.yaml]
                                        [--data runs/toy/eval.jsonl] [--db-root runs/toy] [--max-turns N]
 
 Runs `eval.py generate` (greedy, the training rollout) into --out, then joins its traces.jsonl with
@@ -8,8 +8,9 @@ the records' `lookup_sql` (data/prepare_toy.py: non-empty = the question names a
 database stores as a code, so only a lookup shows the right literal). Prints one JSON line:
 EX overall / on tool questions / on refine questions (the tool questions whose natural lookup
 returns no rows: `first_lookup_sql`) / on direct questions, tool calls per episode on each kind, how
-often a tool question's final query has the code's word right (the digits come from the lookup), how
-many tool answers use LIKE (which matches the code without the lookup) and how many of those are right,
+often a tool question's final query has the code's word right (the digit and letter come from the
+lookup), how many copy the code's twin instead ('Paris_N' for 'Paris4k'), how many tool answers use LIKE (which
+matches the word without the lookup: on toy set v3 the twin too) and how many of those are right,
 and the error-recovery rate (episodes whose first query failed or returned no rows, still right).
 """
 from __future__ import annotations
@@ -38,10 +39,14 @@ def breakdown(traces: list[dict], records: list[dict]) -> dict:
     # tool questions: did the final query at least name the code's word ('Paris' of 'Paris42')?
     gold = {r["id"]: r["gold_sql"] for r in records}
     tool = [t for t in traces if needs[t["id"]]]
-    word = lambda t: re.findall(r"'(?:[a-z]{2}_)?([A-Za-z]+)\d", gold[t["id"]])[0]  # noqa: E731 ('st_pending7')
+    word = lambda t: re.findall(r"'(?:[a-z]{2}_)?([A-Za-z]+)\d", gold[t["id"]])[0]  # noqa: E731 ('st_pending7c')
     out["tool_word_right"] = round(100 * sum(word(t) in t["prediction"] for t in tool) / max(1, len(tool)), 1)
-    # a LIKE in the answer matches the stored code without reading the lookup ('%Athens%' finds
-    # 'ci_Athens9'): how many tool answers take that route, and how many of those are right
+    # the code's twin ('Paris_N' beside 'Paris4k': '_' and a capital after the word) copied instead of the code
+    twin = lambda t: re.escape(re.findall(r"'([^']*)'", gold[t["id"]])[0][:-2]) + r"_[A-Z]'"  # noqa: E731
+    out["tool_answers_twin"] = sum(bool(re.search(twin(t), t["prediction"] or "")) for t in tool)
+    # a LIKE in the answer matches the word without reading the lookup ('%Athens%' finds 'ci_Athens9r'
+    # and, from toy set v3 on, its twin 'ci_Athens_N' too): how many tool answers take that route,
+    # and how many of those are right
     wildcard = [t for t in tool if " LIKE " in (t["prediction"] or "").upper()]
     out["tool_answers_like"] = len(wildcard)
     out["tool_right_like"] = sum(t["exec_match"] for t in wildcard)

@@ -1,31 +1,37 @@
 #!/usr/bin/env bash
-# The main command (configs/tiny.yaml, 2 CPU ranks) on several seeds at once, for the README's
-# per-seed EX table: at once with 2 cores per seed (3 seeds on 6+ cores), else one after another; GPUs hidden so
-# every run is the CPU run a user gets. Prints each seed's held-out EX sequence and tool calls last.
+# The main command (configs/tiny.yaml, 2 CPU ranks) from scratch on several seeds, for the README's
+# table of runs: each seed builds its own tiny model (its init depends on the seed) in
+# runs/seed<S><TAG>/model and runs in runs/seed<S><TAG> (log: runs/seed<S><TAG>.log), GPUs hidden so
+# every run is the CPU run a user gets. Then prints bench/toy_table.py's table: held-out EX, its
+# gain, recovery and tool calls per seed, checked against the demo's goals, and the worst run.
 #
-#   bash bench/toy_seeds.sh [SEEDS...]        # default: 1 2 3; runs in runs/seedS, logs runs/seedS.log
+#   bash bench/toy_seeds.sh [SEEDS...]          # default: 0 1 2 3 4 5
+#   TAG=_mb2048 EXTRA="--optim.micro_batch_tokens=2048" bash bench/toy_seeds.sh 0 1 2
+#                                               # another float path: micro-batches of 2048 tokens
+#                                               # split the warm start's batches too (reduction order)
+#   JOBS=1 bash bench/toy_seeds.sh 3            # runs at a time (default: one per 2 cores)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-SEEDS=${*:-1 2 3}
+PY=${PYTHON:-.venv/bin/python}
+SEEDS=${*:-0 1 2 3 4 5}
+TAG=${TAG:-}
+EXTRA=${EXTRA:-}
+JOBS=${JOBS:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
 export CUDA_VISIBLE_DEVICES=""
 # once, not per seed (concurrent seeds would race to build it); again when it is absent or from an
 # older prepare_toy.py: the rule every run applies (tiny.prepare_toy_set)
 $PY -c 'import config, tiny; tiny.prepare_toy_set(config.load_config(["configs/tiny.yaml"]).data)' >/dev/null
 start=$SECONDS
-n_seeds=$(echo $SEEDS | wc -w)
+runs=()
 for S in $SEEDS; do
-    # each seed builds its own tiny model (its init depends on the seed); --standalone picks a free port
+    R="runs/seed$S$TAG"
+    runs+=("$R")
+    # --standalone picks a free port; $EXTRA unquoted on purpose: several overrides
+    # shellcheck disable=SC2086
     $PY -m torch.distributed.run --standalone --nproc_per_node=2 train.py configs/tiny.yaml \
-        --train.seed="$S" --model.path="runs/seed$S/model" --train.out_dir="runs/seed$S" \
-        >"runs/seed$S.log" 2>&1 &
-    # fewer than 2 cores per seed: one seed at a time (each then takes the main command's time)
-    [ "$(nproc)" -lt $((2 * n_seeds)) ] && wait
+        --train.seed="$S" --model.path="$R/model" --train.out_dir="$R" $EXTRA >"$R.log" 2>&1 &
+    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
 done
 wait
 echo "all seeds: $((SECONDS - start)) s"
-for S in $SEEDS; do
-    evals=$(grep -h "^\[eval @" "runs/seed$S.log" | sed -E 's/.*EX ([0-9.]+)%.*tool-calls ([0-9.]+).*/\1 (\2)/' | paste -sd' ')
-    stop=$(grep -ho "sft: stopped at step [0-9]*" "runs/seed$S.log" | grep -o "[0-9]*$")
-    echo "seed_$S: sft ${stop:-all} steps | held-out EX (tool calls): $evals"
-done
+$PY bench/toy_table.py "${runs[@]}"

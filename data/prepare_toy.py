@@ -3,33 +3,39 @@
     python data/prepare_toy.py --out runs/toy [--seed 0]
 
 Writes, under --out:
-    database/<db_id>/<db_id>.sqlite   125 small databases: 5 schema families x 25 (data/toy_schemas.py)
+    database/<db_id>/<db_id>.sqlite   130 small databases: 5 schema families x 26 (data/toy_schemas.py)
     train.jsonl                       ~2000 questions on 120 databases (canonical records, dataset.py)
-    eval.jsonl                        ~300 questions on the 5 held-out databases (one per family)
+    eval.jsonl                        600 questions on the 10 held-out databases (two per family)
 Records' db_path is relative to --out. Each record also carries `template` (for per-template EX).
 
 Design: train and eval are split by database, as in Spider, but the schema vocabulary is shared
 within a family, so held-out accuracy is reachable for a tiny model that cannot learn to copy
 unseen identifiers. Gold SQL is short and canonical (uppercase keywords, single spaces, T1/T2).
-Two kinds of question, mixed (~73% need the tool):
+Two kinds of question, mixed (~74% need the tool):
   direct     every literal of the gold appears verbatim in the question (the model copies it);
   tool       the question names a category as people say it ("Paris", "pending") but the database
-             stores a code ('Paris47', 'pending73', the digits drawn per database: toy_schemas.py),
-             and the prompt shows no values. The record's `lookup_sql` (SELECT DISTINCT city FROM
-             customers WHERE city LIKE 'Paris%') returns the code. Reading that observation is
-             what makes the final query right: no database stores a code another one stores for
-             the word, so a memorised code is wrong held-out and seldom right on train.
-  refine     a tool question on the column a database stores behind a prefix ('st_pending73',
+             stores a code ('Paris4k', 'pending7c': a digit and a letter drawn per database, toy_schemas.py)
+             beside the code's twin ('Paris_N', 'pending_S': the word followed by letters), and the
+             prompt shows no values. The record's `lookup_sql` (SELECT DISTINCT city FROM customers
+             WHERE city LIKE 'Paris%') returns the code and its twin; the code is the one whose word
+             is followed by a digit. Reading that observation is what makes the final query right:
+             no database stores a code another one stores for the word, so a memorised code is
+             wrong held-out and seldom right on train; and an answer that matches the word with a
+             LIKE pattern ('%Paris%') matches the twin's rows too, so it is wrong (wildcard_shares:
+             no tool question is answered by any pattern on the word alone).
+  refine     a tool question on the column a database stores behind a prefix ('st_pending7c',
              toy_schemas.code_prefix; one of the two category columns of every database): the
              natural lookup (LIKE 'pending%', the record's `first_lookup_sql`) returns no rows,
-             and only a broader one (LIKE '%pending%', its `lookup_sql`) shows the code. Nothing
-             in the prompt says which column is prefixed: the policy learns it from the empty
-             observation and looks again (hence env.max_turns 3 in configs/tiny.yaml).
+             and only a broader one (LIKE '%pending%', its `lookup_sql`) shows the code and its
+             twin ('st_pending_S'). Nothing in the prompt says which column is prefixed: the policy
+             learns it from the empty observation and looks again (hence env.max_turns 3 in
+             configs/tiny.yaml).
 Each record carries `template` (per-template EX), `lookup_sql` ("" for direct questions; the
 lookup whose observation shows the code) and `first_lookup_sql` ("" unless the natural lookup,
 tried before `lookup_sql`, returns no rows).
 Every gold is executed here; the script fails if any errors, if a template's results are mostly
-empty, or if an ORDER BY ... LIMIT gold has a tie at its cut (an ambiguous answer).
+empty, if an ORDER BY ... LIMIT gold has a tie at its cut (an ambiguous answer), or if a lookup
+does not list exactly the code and its twin.
 Same seed -> byte-identical files (seeded by strings, databases written whole then renamed; the
 SQLite file format holds no time or path, only the library version, so the .sqlite bytes are equal
 for the same SQLite version; tests/test_toy.py checks it).
@@ -37,6 +43,7 @@ for the same SQLite version; tests/test_toy.py checks it).
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import re
 import sqlite3
@@ -48,18 +55,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: dataset.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # toy_schemas.py
 from dataset import make_record, write_jsonl  # noqa: E402
-from toy_schemas import CODE_DIGITS, CODE_SEP, FAMILIES, encode_categories, make_rows, write_db  # noqa: E402
+from toy_schemas import FAMILIES, encode_categories, make_rows, write_db  # noqa: E402
 
-# 'Paris47' -> ('Paris', '47'), 'ci_Paris47' -> ('Paris', '47')
-CODE = re.compile(rf"(?:[a-z]{{2}}_)?([A-Za-z]+){re.escape(CODE_SEP)}(\d{{{CODE_DIGITS}}})")
+# 'Paris4k' -> ('Paris', '4k'), 'ci_Paris4k' -> ('Paris', '4k'); a twin ('Paris_N') does not match
+CODE = re.compile(r"(?:[a-z]{2}_)?([A-Za-z]+)(\d[a-z])")
 
 # many small databases: with 3 training databases per family the model memorised their codes
 # (and wrote them on held-out databases); with 12 it could not, but one database asked ~3
 # questions about each of its codes, so the most-seen code still paid on 31% of the training tool
 # questions. 24 databases of 17 questions ask about a code about once (chosen least-asked first)
-DBS_PER_FAMILY = 25  # the last one of each family is held out for eval
+TRAIN_DBS_PER_FAMILY = 24  # <family>_1 .. _24: 120 training databases
 TRAIN_PER_DB = 17  # 120 train dbs -> 2040 questions
-EVAL_PER_DB = 60  # 5 eval dbs -> 300 questions
+# held out: <family>_25 .. _26, 10 databases of 60 questions. 600 questions put a held-out EX's
+# sampling error near 2 points (p ~ 0.5), and two databases per family keep one database's draw of
+# codes and rows from setting the family's score
+EVAL_DBS_PER_FAMILY = 2
+EVAL_PER_DB = 60
 MAX_EMPTY_FRACTION = 0.05  # a template whose golds are emptier than this fails the build
 # tool templates come up 13x as often in the round-robin: ~73% of the questions need the lookup, so
 # a policy that calls the tool when (and only when) it pays makes ~0.7 tool calls per episode, and
@@ -67,8 +78,11 @@ MAX_EMPTY_FRACTION = 0.05  # a template whose golds are emptier than this fails 
 TOOL_WEIGHT = 13
 # bumped whenever the set's layout or codes change: tiny.prepare_assets rebuilds an older set (and
 # the tiny model whose tokenizer was trained on it). 2: two-digit codes never reused across databases,
-# 25 databases per family with 17 questions each (the memoriser's reward on train 31% -> 11%)
-TOY_VERSION = 2
+# 25 databases per family with 17 questions each (the memoriser's reward on train 31% -> 11%).
+# 3: codes are the word, a digit and a letter ('Paris4k'), each beside a twin ('Paris_N') so that a
+# LIKE on the word answers no tool question (v2: all of them); 10 held-out databases, 600 questions
+# (was 5, 300)
+TOY_VERSION = 3
 
 # -----------------------------------------------------------------------------
 # question templates: each returns (question, gold_sql) or None (not applicable here; retried)
@@ -88,7 +102,7 @@ class Ctx:
     """One database while its questions are generated: family spec, rows, codes, rng, phrasing."""
 
     def __init__(self, rng, fam, rows, names):
-        self.rng, self.fam, self.rows, self.names = rng, fam, rows, names  # names: {table: {code: name}}
+        self.rng, self.fam, self.rows, self.names = rng, fam, rows, names  # {table: {code: (word, twin)}}
         self.P, self.C = fam["parent"], fam["child"]
         self.asked = Counter()  # code -> questions drawn on it in this database
 
@@ -110,11 +124,11 @@ class Ctx:
 
     def category(self, t, rs):
         """A stored code of t's categorical column -> (code, the name people say, lookups(...))."""
-        codes = self.vals(rs, t["cat"])
+        codes = [c for c in self.vals(rs, t["cat"]) if c in self.names[t["table"]]]  # not the twins
         fewest = min(self.asked[c] for c in codes)
         code = self.rng.choice([c for c in codes if self.asked[c] == fewest])
         self.asked[code] += 1
-        name = self.names[t["table"]][code]
+        name = self.names[t["table"]][code][0]
         return code, name, lookups(t["table"], t["cat"], name, code)
 
     def join(self):
@@ -123,8 +137,8 @@ class Ctx:
 
 def lookup_sql(table: str, column: str, word: str) -> str:
     """The tool turn of a tool question: the column's stored spellings that start with the question's
-    word. Its observation is the one code ('Paris4'), right after the word the model just wrote
-    into the query. A listing of the whole column (SELECT DISTINCT city FROM customers) was not
+    word. Its observation is the code ('Paris4k') and its twin ('Paris_N'), each right after the word
+    the model just wrote into the query. A listing of the whole column (SELECT DISTINCT city FROM customers) was not
     learnt: after its 4-6 rows the warm start had forgotten which word the question said and
     wrote another row's word (0% held-out EX on tool questions after 300 SFT steps, 10% right word)."""
     return f"SELECT DISTINCT {column} FROM {table} WHERE {column} LIKE '{word}%'"
@@ -132,7 +146,7 @@ def lookup_sql(table: str, column: str, word: str) -> str:
 
 def lookups(table: str, column: str, word: str, code: str) -> tuple[str, str]:
     """(first_lookup_sql, lookup_sql) of a tool question. A code that starts with the word: ("",
-    the natural lookup). A prefixed code ('st_pending7'): the natural lookup, which returns no
+    the natural lookup). A prefixed code ('st_pending7c'): the natural lookup, which returns no
     rows, then the same query with the word anywhere in the code (LIKE '%pending%'), one edit
     from the failed query, whose observation is the code."""
     natural = lookup_sql(table, column, word)
@@ -340,8 +354,8 @@ def join_parent_label(g):
 def join_parent_cat(g):
     P, C = g.P, g.C
     with_kids = {r[C["fk"]] for r in g.rows["child"]}
-    code = g.rng.choice(sorted({r[P["cat"]] for r in g.rows["parent"] if r["id"] in with_kids} - {None}))
-    v = g.names[P["table"]][code]
+    code = g.rng.choice(sorted({r[P["cat"]] for r in g.rows["parent"] if r["id"] in with_kids} & set(g.names[P["table"]])))
+    v = g.names[P["table"]][code][0]
     look = lookups(P["table"], P["cat"], v, code)
     pw = P.get("words", {}).get(P["cat"], P["cat"])
     return g.say(["List the {Ls} of {P} {rel} {pp} whose {pw} is {v}.",
@@ -399,13 +413,81 @@ def not_in(g):
 
 
 # -----------------------------------------------------------------------------
+# the shortcut a tool question must not have: a LIKE pattern on the word instead of the looked-up code
+
+
+def the_code(gold_sql: str) -> str:
+    """The one string literal of a tool question's gold: the code ('ci_Paris4k')."""
+    (code,) = re.findall(r"'([^']*)'", gold_sql)
+    return code
+
+
+def wildcard_patterns(word: str, prefix: str) -> list[str]:
+    """LIKE patterns built from the question's word and the column's code prefix ('ci_') alone: any
+    run of wildcards (% or _) before and after the word, with or without the prefix. A policy could
+    write one of them without reading a lookup ('%Paris%' matches 'ci_Paris4k')."""
+    heads = ["", "%", "_", "__", "___", "%_", prefix, "%" + prefix]
+    tails = ["", "%", "_", "__", "___", "%_", "_%"]
+    return [h + word + t for h in heads for t in tails]
+
+
+def wildcard_answer(gold_sql: str, pattern: str) -> str:
+    """The gold with its code replaced by a LIKE pattern (`city = 'Paris4k'` -> `city LIKE '%Paris%'`)."""
+    return gold_sql.replace(f"= '{the_code(gold_sql)}'", f"LIKE '{pattern}'")
+
+
+def rows_of(con, sql: str) -> frozenset:
+    """A query's rows as the reward compares them (reward.mode set: order and duplicates ignored)."""
+    return frozenset(con.execute(sql).fetchall())
+
+
+def wildcard_right(con, record: dict) -> dict[str, bool]:
+    """{pattern: whether the gold with that LIKE pattern instead of the code returns the gold's rows}
+    for every wildcard_patterns of a tool question's word."""
+    code = the_code(record["gold_sql"])
+    word = CODE.fullmatch(code).group(1)
+    prefix = code[:code.index(word)]  # 'ci_' or ''
+    gold = rows_of(con, record["gold_sql"])
+    return {p: rows_of(con, wildcard_answer(record["gold_sql"], p)) == gold for p in wildcard_patterns(word, prefix)}
+
+
+def wildcard_shares(out_dir, splits=("train", "eval"), every: int = 1) -> dict:
+    """{split: {"tool": tool questions, "any": those some wildcard pattern answers right, "best":
+    the most any single pattern answers right, "best_pattern": that pattern with the word as WORD
+    ("" when none answers any)}} for the toy set at out_dir (its train.jsonl / eval.jsonl), on every
+    `every`-th tool question. What a policy that never reads a lookup could earn on the tool
+    questions by matching the word (bench/toy_wildcard.py prints it)."""
+    out = Path(out_dir)
+    shares = {}
+    for split in splits:
+        recs = [json.loads(line) for line in open(out / f"{split}.jsonl") if line.strip()]
+        cons, per_pattern, n_any, n = {}, Counter(), 0, 0
+        for r in [r for r in recs if r["lookup_sql"]][::every]:
+            if r["db_path"] not in cons:
+                cons[r["db_path"]] = sqlite3.connect(f"file:{out / r['db_path']}?mode=ro", uri=True)
+            word = CODE.fullmatch(the_code(r["gold_sql"])).group(1)
+            right = wildcard_right(cons[r["db_path"]], r)
+            for pattern, ok in right.items():
+                per_pattern[pattern.replace(word, "WORD")] += ok
+            n_any += any(right.values())
+            n += 1
+        for c in cons.values():
+            c.close()
+        best, hits = per_pattern.most_common(1)[0] if per_pattern else ("", 0)
+        shares[split] = {"tool": n, "any": n_any, "best": hits, "best_pattern": best if hits else ""}
+    return shares
+
+
+# -----------------------------------------------------------------------------
 # building the set
 
 
-def questions(rng: random.Random, fam: dict, rows: dict, names: dict, n: int) -> list[tuple[str, str, str, str, str]]:
+def questions(rng: random.Random, fam: dict, rows: dict, names: dict, n: int,
+              con: sqlite3.Connection) -> list[tuple[str, str, str, str, str]]:
     """n distinct (template, question, sql, lookup_sql, first_lookup_sql), templates taken
     round-robin so all are covered (tool templates TOOL_WEIGHT times per round, each round
-    shuffled); both lookups are "" for direct questions."""
+    shuffled); both lookups are "" for direct questions. con: the database, read to leave out a
+    tool question whose answer the code's twin does not change (twin_changes_answer)."""
     g, out, seen = Ctx(rng, fam, rows, names), [], set()
     order = [t for t in TEMPLATES for _ in range(TOOL_WEIGHT if t in TOOL_TEMPLATES else 1)]
     i = 0
@@ -415,7 +497,7 @@ def questions(rng: random.Random, fam: dict, rows: dict, names: dict, n: int) ->
         name = order[i % len(order)]
         i += 1
         qs = TEMPLATES[name](g)
-        if qs is None or qs[0] in seen:
+        if qs is None or qs[0] in seen or (len(qs) > 2 and not twin_changes_answer(con, qs[1], names)):
             continue
         seen.add(qs[0])
         first, look = qs[2] if len(qs) > 2 else ("", "")
@@ -423,9 +505,22 @@ def questions(rng: random.Random, fam: dict, rows: dict, names: dict, n: int) ->
     return out
 
 
+def twin_changes_answer(con, gold_sql: str, names: dict) -> bool:
+    """Whether a tool question's gold returns other rows once the code's twin is let in
+    (`city = 'Paris4k'` -> `city IN ('Paris4k', 'Paris_N')`). Every LIKE pattern on the word alone
+    that matches the code matches the twin too (toy_schemas.twin_of), so where the twin's rows change
+    nothing (a MAX the code's rows hold, labels its rows repeat) such a pattern would answer the
+    question without the lookup: those questions are drawn again."""
+    code = the_code(gold_sql)
+    twin = next(tw for table in names.values() for c, (_, tw) in table.items() if c == code)
+    both = gold_sql.replace(f"= '{code}'", f"IN ('{code}', '{twin}')")
+    return rows_of(con, both) != rows_of(con, gold_sql)
+
+
 def check_golds(out: Path, records: list[dict]) -> Counter:
     """Run every gold read-only; fail on any error or on a template with mostly empty results, if
-    a lookup's result is not the one code its gold uses, or if a first lookup returns rows."""
+    a lookup's result is not the code its gold uses and that code's twin, or if a first lookup
+    returns rows."""
     empty, total, cons = Counter(), Counter(), {}
     for r in records:
         if r["db_path"] not in cons:
@@ -434,9 +529,10 @@ def check_golds(out: Path, records: list[dict]) -> Counter:
             rows = cons[r["db_path"]].execute(r["gold_sql"]).fetchall()
         except sqlite3.Error as e:
             raise AssertionError(f"toy gold fails: {r['gold_sql']!r}: {e}") from None
-        if r["lookup_sql"]:  # the lookup returns exactly the code the gold uses
+        if r["lookup_sql"]:  # the lookup lists the code and its twin; the code is the one with a digit
             listed = [row[0] for row in cons[r["db_path"]].execute(r["lookup_sql"]).fetchall()]
-            assert listed == re.findall(r"'([^']*)'", r["gold_sql"]), (r["gold_sql"], listed)
+            assert len(listed) == 2 and [v for v in listed if CODE.fullmatch(v)] == [the_code(r["gold_sql"])], \
+                (r["gold_sql"], listed)
         if r["first_lookup_sql"]:  # the natural lookup a refine question starts with finds nothing
             assert r["lookup_sql"] and not cons[r["db_path"]].execute(r["first_lookup_sql"]).fetchall(), r
         total[r["template"]] += 1
@@ -471,30 +567,33 @@ def prepare_toy(out_dir, seed: int = 0, verbose: bool = False) -> dict:
     right, memoriser_right}}."""
     out = Path(out_dir)
     splits = {"train": [], "eval": []}
-    seen = defaultdict(Counter)  # word -> Counter(digits) of the codes training golds used so far
+    seen = defaultdict(Counter)  # word -> Counter(suffix) of the codes training golds used so far
     for split in ("train", "eval"):  # training databases first: the held-out ones avoid their codes
         for family, fam in FAMILIES.items():
-            for i in (range(1, DBS_PER_FAMILY) if split == "train" else [DBS_PER_FAMILY]):
+            for i in (range(1, TRAIN_DBS_PER_FAMILY + 1) if split == "train" else
+                      range(TRAIN_DBS_PER_FAMILY + 1, TRAIN_DBS_PER_FAMILY + EVAL_DBS_PER_FAMILY + 1)):
                 db_id = f"{family}_{i}"
                 rng = random.Random(f"toy-rows:{seed}:{db_id}")
                 rows = make_rows(rng, fam)
                 # a memoriser writes the code it saw most in training: no database stores a code
                 # a training gold already used for the word (while a fresh one is left)
                 avoid = {w: set(c) for w, c in seen.items()}
-                # one of the two category columns stores its codes behind a prefix ('st_pending73')
+                # one of the two category columns stores its codes behind a prefix ('st_pending7c')
                 prefixed = (rng.choice(["parent", "child"]),)
                 names = encode_categories(rng, fam, rows, avoid, prefixed)
                 rel = f"database/{db_id}/{db_id}.sqlite"
                 write_db(out / rel, fam, rows)
-                qs = questions(random.Random(f"toy-questions:{seed}:{db_id}"), fam, rows, names,
-                               TRAIN_PER_DB if split == "train" else EVAL_PER_DB)
+                with sqlite3.connect(f"file:{out / rel}?mode=ro", uri=True) as con:
+                    qs = questions(random.Random(f"toy-questions:{seed}:{db_id}"), fam, rows, names,
+                                   TRAIN_PER_DB if split == "train" else EVAL_PER_DB, con)
+                con.close()
                 for j, (tname, question, sql, lookup, first) in enumerate(qs):
                     rec = make_record(f"toy-{db_id}-{j:03d}", "toy", db_id, rel, question, sql)
                     splits[split].append({**rec, "template": tname, "lookup_sql": lookup,
                                           "first_lookup_sql": first})
                     if split == "train" and lookup:
-                        word, digit = CODE.fullmatch(re.findall(r"'([^']*)'", sql)[0]).groups()
-                        seen[word][int(digit)] += 1
+                        word, suffix = CODE.fullmatch(re.findall(r"'([^']*)'", sql)[0]).groups()
+                        seen[word][suffix] += 1
     for split in ("eval", "train"):  # train.jsonl last: the trainer takes it as "the set is there"
         check_golds(out, splits[split])
         write_jsonl(out / f"{split}.jsonl", splits[split])
@@ -505,7 +604,7 @@ def prepare_toy(out_dir, seed: int = 0, verbose: bool = False) -> dict:
     stats["refine"] = {s: sum(bool(r["first_lookup_sql"]) for r in recs) for s, recs in splits.items()}
     stats["memoriser"] = memoriser_right(splits)
     if verbose:
-        print(f"toy set (seed {seed}) -> {out}: {len(FAMILIES) * DBS_PER_FAMILY} databases, "
+        print(f"toy set (seed {seed}) -> {out}: {len(FAMILIES) * (TRAIN_DBS_PER_FAMILY + EVAL_DBS_PER_FAMILY)} databases, "
               f"train {stats['train']} ({stats['tool']['train']} need the tool, {stats['refine']['train']} "
               f"a second lookup), eval {stats['eval']} ({stats['tool']['eval']} need the tool, "
               f"{stats['refine']['eval']} a second lookup)")

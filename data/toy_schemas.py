@@ -9,16 +9,22 @@ its columns a role the question templates use:
 All databases of a family share table and column names and differ in their rows, so a tiny model
 can learn the vocabulary of a family and still meet unseen rows (and literals) at eval time.
 Categorical values are stored as codes, not as people say them (encode_categories): "Paris" is
-'Paris47', "pending" is 'pending73'; the digits are drawn per database and value, so only a look at
-the column (SELECT DISTINCT city FROM customers) tells which code a question's "Paris" needs.
-Some databases put a column prefix before the word ('st_pending73', 'ci_Paris47'): a lookup of the
-codes that *start* with the word finds nothing there, one of the codes that *contain* it does.
+'Paris4k', "pending" is 'pending7c'; the digit and the letter are drawn per database and value, so
+only a look at the column (SELECT DISTINCT city FROM customers) tells which code a question's
+"Paris" needs. Some databases put a column prefix before the word ('st_pending7c', 'ci_Paris4k'): a
+lookup of the codes that *start* with the word finds nothing there, one of the codes that *contain*
+it does. Every code has a twin in its column, stored on other rows: the same prefix and word, then
+'_' and a capital letter ('Paris_N' beside 'Paris4k', 'ci_Paris_N' beside 'ci_Paris4k').
+A lookup shows both, and the code is the one whose word is followed by a digit; an answer that
+matches the word with a LIKE pattern instead of copying the code ('%Paris%', 'Paris%', 'Paris__')
+matches the twin's rows too, so only reading the lookup answers the question.
 Not run directly: `python data/prepare_toy.py --out DIR` uses it.
 """
 import datetime
 import os
 import random
 import sqlite3
+from collections import Counter
 from pathlib import Path
 
 CITIES = ["Paris", "Berlin", "Madrid", "Rome", "Lisbon", "Vienna", "Prague", "Oslo", "Dublin",
@@ -42,7 +48,8 @@ NOUN = ["River", "Garden", "Empire", "Mirror", "Winter", "Harbor", "Forest", "Le
 SPECIALTIES = ["cardiology", "neurology", "pediatrics", "oncology", "surgery", "dermatology",
                "radiology", "psychiatry"]
 DEPARTMENTS = ["Sales", "Research", "Marketing", "Finance", "Legal", "Support", "Design",
-               "Logistics", "Security", "Training", "Quality", "Purchasing"]
+               "Logistics", "Security", "Training", "Quality", "Purchasing", "Operations", "Planning",
+               "Audit", "Media"]
 JOBS = ["engineer", "manager", "analyst", "clerk", "designer", "consultant", "technician"]
 
 # value specs: ("person",) unique full names; ("titles",) unique "Adj Noun" titles;
@@ -142,7 +149,8 @@ def _sql_type(spec) -> str:
 def make_rows(rng: random.Random, fam: dict) -> dict[str, list[dict]]:
     """Rows of both tables. Some parents get no children (for NOT IN); the nullable column gets
     at least one NULL (for IS NULL); foreign keys are never NULL (NOT IN with NULLs is empty)."""
-    n_p, n_c = rng.randint(8, 12), rng.randint(22, 34)
+    # parents: 10-14 rows, so most category words keep two rows, one for the code and one for its twin
+    n_p, n_c = rng.randint(10, 14), rng.randint(22, 34)
     rows = {}
     for side, n in (("parent", n_p), ("child", n_c)):
         t = fam[side]
@@ -163,53 +171,87 @@ def make_rows(rng: random.Random, fam: dict) -> dict[str, list[dict]]:
     return rows
 
 
-# Digits right after the word: they follow the word's token directly, in the observation as in
-# the SQL, which a small model learns to copy (find the word, take the next tokens). 'Paris-42'
-# (a dash between) was never copied in 400 SFT steps (0% EX on held-out tool questions, against
-# 13% for 'Paris4'). Two digits (90 codes a word) let codes stay unique across the databases.
-CODE_DIGITS = 2
-CODE_SEP = ""
+# A digit and a letter right after the word ('Paris4k'): they follow the word's token directly, in
+# the observation as in the SQL, which a small model learns to copy (find the word, take the next
+# tokens). 'Paris-42' (a dash between) was never copied in 400 SFT steps (0% EX on held-out tool
+# questions, against 13% for 'Paris4'). One digit alone (9 codes a word) repeats codes across
+# databases, which a memoriser exploits; two digits ('Paris47') were copied in the wrong order
+# ('Paris74') in most of the wrong tool answers after GRPO. A digit then a letter are two kinds of
+# token: which comes first is never in doubt. 9 x 23 = 207 codes a word stay unique across databases.
+CODE_DIGITS = "123456789"
+CODE_LETTERS = "abcdefghjkmnpqrstuvwxyz"  # no i, l, o
+CODE_SUFFIXES = [d + c for d in CODE_DIGITS for c in CODE_LETTERS]
 
 
 def code_prefix(column: str) -> str:
     """The prefix a database with a prefixed naming convention stores before every code of the
-    column ('status' -> 'st_': 'st_pending7'). Fixed per column, so the warm start can learn to
+    column ('status' -> 'st_': 'st_pending7c'). Fixed per column, so the warm start can learn to
     write it once the lookup has shown it; which databases use it is drawn per database."""
     return column[:2] + "_"
 
 
+def twin_of(code: str, rng: random.Random) -> str:
+    """The twin a code shares its column with: the code's prefix and word, then '_' and a capital
+    letter, no digit ('Paris4k' -> 'Paris_N', 'ci_Paris4k' -> 'ci_Paris_S'). Same length and the
+    same word at the same place: every LIKE pattern built from the word (and the column's prefix)
+    alone that matches the code matches the twin too."""
+    return code[:-2] + "_" + rng.choice(TWIN_LETTERS)
+
+
+TWIN_LETTERS = "NSEW"
+
+
+def _two_rows_per_word(rng: random.Random, rs: list[dict], col: str) -> None:
+    """In place: a word stored on one row only is replaced there by a word on more rows, until every
+    word present is on two rows or more (one row for its code, one for its twin)."""
+    while True:
+        count = Counter(r[col] for r in rs if r[col] is not None)
+        single = sorted(w for w, n in count.items() if n == 1)
+        if not single or len(count) == 1:
+            return
+        row = next(r for r in rs if r[col] == single[0])
+        row[col] = rng.choice(sorted(w for w, n in count.items() if n >= 2) or sorted(set(count) - {single[0]}))
+
+
 def encode_categories(rng: random.Random, fam: dict, rows: dict,
                       avoid: dict[str, set[int]] | None = None,
-                      prefixed: tuple[str, ...] = ()) -> dict[str, dict[str, str]]:
-    """Replace every categorical value by its code, in place: the word then CODE_DIGITS digits drawn
-    here ('Paris' -> 'Paris47'), distinct within a column. The word is the piece the question shares
-    with the code: the model copies it from the question, finds the row that starts with it in the
-    lookup's observation and copies the digits from there (the same tokens in both places: after a
-    line break and after the SQL quote the word has no leading space). `avoid` ({word: digits}: those
-    earlier databases stored for the word) keeps a code from recurring across databases while a
-    fresh one is left, so a policy that writes the code it saw most in training without looking
-    (prepare_toy.memoriser_right) is never right held-out and seldom on train: 11% of the training
-    tool questions at seed 0, where one-digit codes reused across databases gave it 31%, more than
-    the warm start's two-lookup route earned, and GRPO dropped the tool.
-    `prefixed` names the sides ("parent", "child") whose column stores its codes behind
-    code_prefix ('st_pending73'): there the natural lookup (LIKE 'pending%') returns no rows and
-    only a broader one (LIKE '%pending%') shows the code. Returns {table: {code: name}}."""
+                      prefixed: tuple[str, ...] = ()) -> dict[str, dict[str, tuple[str, str]]]:
+    """Replace every categorical value by its code or its code's twin, in place. The code is the word
+    then a digit and a letter drawn here (CODE_SUFFIXES: 'Paris' -> 'Paris4k'), distinct within a
+    column; the twin (twin_of: 'Paris_N') takes some of the word's rows, at least one, the code the
+    others, at least one. The word is the piece the question shares with the code: the model copies
+    it from the question, finds the row where it is followed by a digit in the lookup's observation
+    and copies the digit and the letter from there (the same tokens in both places: after a line
+    break and after the SQL quote the word has no leading space). `avoid` ({word: suffixes}: those
+    earlier databases stored for the word)
+    keeps a code from recurring across databases while a fresh one is left, so a policy that writes
+    the code it saw most in training without looking (prepare_toy.memoriser_right) is never right
+    held-out and seldom on train (toy set v2: 11% of the training tool questions at seed 0, where
+    one-digit codes reused across databases gave it 31%, more than the warm start's two-lookup route
+    earned, and GRPO dropped the tool).
+    `prefixed` names the sides ("parent", "child") whose column stores its codes (and twins) behind
+    code_prefix ('st_pending7c'): there the natural lookup (LIKE 'pending%') returns no rows and
+    only a broader one (LIKE '%pending%') shows the code. Returns {table: {code: (word, twin)}}."""
     avoid = avoid or {}
     names = {}
     for side in ("parent", "child"):
         t, col = fam[side], fam[side]["cat"]
+        _two_rows_per_word(rng, rows[side], col)
         present = sorted({r[col] for r in rows[side] if r[col] is not None})
-        code, used = {}, set()
+        code, twin, used = {}, {}, set()
         for v in present:
-            free = [d for d in range(10 ** (CODE_DIGITS - 1), 10 ** CODE_DIGITS) if d not in used]
-            fresh = [d for d in free if d not in avoid.get(v, ())]
-            digit = rng.choice(fresh or free)
-            used.add(digit)
-            code[v] = (code_prefix(col) if side in prefixed else "") + f"{v}{CODE_SEP}{digit}"
-        for r in rows[side]:
-            if r[col] is not None:
-                r[col] = code[r[col]]
-        names[t["table"]] = {c: v for v, c in code.items()}
+            free = [x for x in CODE_SUFFIXES if x not in used]
+            fresh = [x for x in free if x not in avoid.get(v, ())]
+            suffix = rng.choice(fresh or free)
+            used.add(suffix)
+            code[v] = (code_prefix(col) if side in prefixed else "") + f"{v}{suffix}"
+            twin[v] = twin_of(code[v], rng)
+        for v in present:  # the twin's rows: between one and all but one of the word's rows
+            mine = [r for r in rows[side] if r[col] == v]
+            twins = rng.sample(range(len(mine)), rng.randint(1, len(mine) - 1)) if len(mine) > 1 else []
+            for i, r in enumerate(mine):
+                r[col] = twin[v] if i in twins else code[v]
+        names[t["table"]] = {code[v]: (v, twin[v]) for v in present}
     return names
 
 
@@ -231,6 +273,8 @@ def write_db(path: Path, fam: dict, rows: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)
     con = sqlite3.connect(tmp)
+    con.execute("PRAGMA journal_mode = OFF")  # no journal, no fsync: a half-written file is never
+    con.execute("PRAGMA synchronous = OFF")   # renamed into place (the file's bytes are the same)
     for stmt in ddl(fam):
         con.execute(stmt)
     for side in ("parent", "child"):

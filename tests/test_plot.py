@@ -61,6 +61,26 @@ def test_png_beside_metrics(tmp_path):
     assert img[..., :3].std() > 0.05  # not a blank canvas
 
 
+def test_recovery_rate_beside_held_out_ex():
+    """The EX panel draws the held-out recovery rate (eval/recovery_rate) with held-out EX, its
+    first and last values in the legend; a run that never logged it draws the panel without it."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    s = {"eval/ex": {0: 0.45, 8: 0.55, 16: 0.6}, "eval/recovery_rate": {0: 0.27, 8: 0.5, 16: 0.71}}
+    fig, (ax, bare) = plt.subplots(1, 2)
+    plot.panel_success(ax, s, ["C0", "C1", "C2"])
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    rec = [ln for label, ln in lines.items() if label.startswith("held-out recovery")]
+    assert len(rec) == 1 and "27% -> 71%" in rec[0].get_label(), list(lines)
+    assert list(rec[0].get_xdata()) == [0, 8, 16] and list(rec[0].get_ydata()) == [0.27, 0.5, 0.71]
+    assert list(lines["held-out EX (eval)"].get_ydata()) == [0.45, 0.55, 0.6]
+    plot.panel_success(bare, {"eval/ex": s["eval/ex"]}, ["C0", "C1", "C2"])
+    assert not [ln for ln in bare.get_lines() if ln.get_label().startswith("held-out recovery")]
+    plt.close(fig)
+
+
 def test_only_some_metrics(tmp_path):
     """An SFT-only run (no GRPO step yet) still draws; empty panels say so."""
     pytest.importorskip("matplotlib")

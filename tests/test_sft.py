@@ -94,8 +94,8 @@ def test_gold_episodes_are_well_formed_and_get_the_full_reward(assets, protocol,
                 ["query"] * len(lookups) + ["answer"], kinds
             assert e.text.endswith(f"<action>ANSWER {r['gold_sql']}</action>")
         assert [st["arg"] for st in e.steps if st["kind"] in ("sql", "query")] == lookups
-        if r["id"] == "first-lookup":  # the failed lookup, then the one that shows the code
-            assert [st["n_rows"] for st in e.steps if st["kind"] in ("sql", "query")] == [0, 1]
+        if r["id"] == "first-lookup":  # the failed lookup, then the one that shows the code and its twin
+            assert [st["n_rows"] for st in e.steps if st["kind"] in ("sql", "query")] == [0, 2]
             assert e.text.count("(0 rows)") == 1
         model_side = tok.decode([i for i, m in zip(e.ids, e.mask) if m])
         assert "<observation>" not in model_side and "<|im_start|>" not in model_side  # never trained on

@@ -1,6 +1,7 @@
 """The toy set: determinism, split by database, coverage, that every gold is a good answer, that
 tool questions need their lookup (refine questions a second one, after a natural lookup that
-finds nothing), and that the gold (multi-turn) trajectories score 1.
+finds nothing) and that no LIKE pattern on the question's word answers one instead, and that the
+gold (multi-turn) trajectories score 1.
 
     .venv/bin/python -m pytest -q tests/test_toy.py
 """
@@ -16,14 +17,15 @@ from conftest import ROOT
 from dataset import load_examples
 
 sys.path.insert(0, str(ROOT / "data"))
-from prepare_toy import CODE, DBS_PER_FAMILY, TEMPLATES, TOOL_TEMPLATES, prepare_toy  # noqa: E402
+from prepare_toy import (CODE, EVAL_DBS_PER_FAMILY, TEMPLATES, TOOL_TEMPLATES, TRAIN_DBS_PER_FAMILY,  # noqa: E402
+                         prepare_toy, wildcard_right, wildcard_shares)
 from toy_schemas import FAMILIES, code_prefix  # noqa: E402
 
-N_DBS = len(FAMILIES) * DBS_PER_FAMILY
+N_DBS = len(FAMILIES) * (TRAIN_DBS_PER_FAMILY + EVAL_DBS_PER_FAMILY)
 
 
-def is_eval(db_id: str) -> bool:  # the last database of each family is held out
-    return db_id.endswith(f"_{DBS_PER_FAMILY}")
+def is_eval(db_id: str) -> bool:  # the last databases of each family are held out
+    return int(db_id.rsplit("_", 1)[1]) > TRAIN_DBS_PER_FAMILY
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def test_sizes_and_split_by_database(toy):
     out, stats = toy
     train = load_examples(out / "train.jsonl", out)  # the canonical loader accepts it
     ev = load_examples(out / "eval.jsonl", out)
-    assert 1900 <= len(train) <= 2100 and 280 <= len(ev) <= 320 and N_DBS >= 60
+    assert 1900 <= len(train) <= 2100 and 580 <= len(ev) <= 620 and N_DBS >= 60
     assert (stats["train"], stats["eval"]) == (len(train), len(ev))
     tr_db, ev_db = {r["db_id"] for r in train}, {r["db_id"] for r in ev}
     assert len(tr_db) + len(ev_db) == N_DBS and not tr_db & ev_db
@@ -117,8 +119,10 @@ def _text_cells(con) -> set:
 
 def test_tool_questions_need_the_lookup(toy):
     """The question's word is in no cell of the database, the gold with that word instead of the
-    code is wrong, and the lookup (the question's word in a LIKE) returns exactly the code, from a
-    column of several codes. On a prefixed column ('st_pending7') the natural lookup (the word at
+    code is wrong, and the lookup (the question's word in a LIKE) returns the code and its twin
+    (the same prefix and word, then '_' and a capital: 'ci_Paris_N' beside 'ci_Paris4k'), from a
+    column of several codes; the code is the one of the two whose word is followed by a digit. On a
+    prefixed column ('st_pending7c') the natural lookup (the word at
     the start) is the record's first_lookup_sql and returns no rows; the lookup is the same query
     with the word anywhere. No database stores a code an earlier database stored for the word, so a
     memoriser (the most-seen training code) is never right held-out and seldom on train."""
@@ -137,13 +141,16 @@ def test_tool_questions_need_the_lookup(toy):
         if r["db_file"] not in cells:
             cells[r["db_file"]] = _text_cells(con)
         (code,) = re.findall(r"'([^']*)'", r["gold_sql"])
-        word, digits = CODE.fullmatch(code).groups()
+        word, suffix = CODE.fullmatch(code).groups()
         assert re.search(rf"\b{word}\b", r["question"]), (word, r["question"])  # said as people say it
         assert word.lower() not in cells[r["db_file"]], (word, r["db_id"])  # in no cell, in any case
         # the lookup: a fixed template around the question's word, and its one row is the code
         m = re.fullmatch(r"SELECT DISTINCT (\w+) FROM (\w+) WHERE \1 LIKE '(%?)([a-zA-Z]+)%'", r["lookup_sql"])
         assert m and m.group(4) == word, r["lookup_sql"]
-        assert con.execute(r["lookup_sql"]).fetchall() == [(code,)], r["lookup_sql"]
+        listed = [v for (v,) in con.execute(r["lookup_sql"]).fetchall()]
+        assert len(listed) == 2 and code in listed, (code, listed)
+        twin, = set(listed) - {code}  # the code's prefix and word, then '_' and a capital: no digit
+        assert re.fullmatch(rf"{re.escape(code[:-2])}_[A-Z]", twin) and not CODE.fullmatch(twin), (code, twin)
         prefixed = code.startswith(code_prefix(m.group(1)))
         assert bool(r["first_lookup_sql"]) == prefixed == (m.group(3) == "%"), r
         if prefixed:  # the natural lookup, one '%' away from the lookup, finds nothing
@@ -162,7 +169,7 @@ def test_tool_questions_need_the_lookup(toy):
     ev = [re.findall(r"'([^']*)'", r["gold_sql"])[0] for r in tool if is_eval(r["db_id"])]
     word_of = lambda c: CODE.fullmatch(c).group(1)  # noqa: E731
     hits = sum(word_of(c) in memo and memo[word_of(c)].most_common(1)[0][0] == c for c in ev)
-    assert hits == 0 and len(ev) >= 150, (hits, len(ev))  # held-out codes avoid the most-seen digit
+    assert hits == 0 and len(ev) >= 350, (hits, len(ev))  # held-out codes avoid the most-seen code
     # the stat prepare_toy prints: the same memoriser, counted on both splits
     tr = [re.findall(r"'([^']*)'", r["gold_sql"])[0] for r in tool if not is_eval(r["db_id"])]
     train_hits = sum(memo[word_of(c)].most_common(1)[0][0] == c for c in tr)
@@ -170,6 +177,30 @@ def test_tool_questions_need_the_lookup(toy):
     # on train too it pays little: codes are not reused across databases and a database asks about
     # a code about once, so a policy that skips the lookup loses to one that looks (was 31%)
     assert train_hits <= 0.15 * len(tr), (train_hits, len(tr))
+
+
+def test_no_wildcard_answers_a_tool_question(toy, tmp_path):
+    """An answer that matches the question's word with a LIKE pattern ('%Paris%', 'Paris__',
+    'ci_Paris%', ...) instead of the looked-up code answers no tool question, training or held-out
+    (the goal: at most 5%; bench/toy_wildcard.py prints the shares). And the check can fail: in a
+    copy of a database whose twin rows hold the code again, '%word%' answers the question."""
+    out, _ = toy
+    shares = wildcard_shares(out, every=4)  # a quarter of the training tool questions: seconds
+    assert shares["train"]["tool"] >= 350 and shares["eval"]["tool"] >= 100, shares
+    for split in ("train", "eval"):
+        assert shares[split]["any"] <= 0.05 * shares[split]["tool"], shares
+    r = next(r for r in load_examples(out / "eval.jsonl", out) if r["template"] == "count_where_cat")
+    code = re.findall(r"'([^']*)'", r["gold_sql"])[0]
+    word = CODE.fullmatch(code).group(1)
+    col = re.search(r"SELECT DISTINCT (\w+) FROM (\w+)", r["lookup_sql"]).groups()
+    db = tmp_path / "no_twin.sqlite"
+    db.write_bytes((out / r["db_path"]).read_bytes())
+    with sqlite3.connect(db) as con:
+        assert not any(wildcard_right(con, r).values())
+        con.execute(f"UPDATE {col[1]} SET {col[0]} = ? WHERE {col[0]} LIKE ? AND {col[0]} <> ?", (code, f"%{word}%", code))
+        right = wildcard_right(con, r)
+    con.close()
+    assert right[f"%{word}%"] and right[f"{word}%"] != bool(r["first_lookup_sql"]), right
 
 
 def test_gold_trajectories_follow_the_format_and_score_one(toy):

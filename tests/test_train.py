@@ -170,6 +170,59 @@ def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, monkeypatch,
     assert [m["sft/stopped_at"] for m in stops] == ([stops_at] if stops_at else [])
 
 
+@pytest.mark.parametrize("near, every_near, checks, stops_at", [
+    (0.3, 2, [10, 20, 22, 24, 26], 26),  # step 20 reaches 0.3: every 2 steps from there
+    (0.0, 2, [10, 20, 30], 30),  # stop_near_ex 0: the coarse grid only, overshooting to 0.85
+    (0.9, 2, [10, 20, 30], 30)])  # never near: the coarse grid
+def test_sft_checks_finer_near_the_threshold(tmp_path, tiny_model, monkeypatch, near, every_near, checks, stops_at):
+    """sft.stop_near_ex / sft.stop_check_every_near: once a check's training EX reaches stop_near_ex,
+    the warm start checks every stop_check_every_near steps, so it stops soon after the climb
+    crosses stop_at_train_ex instead of at the next coarse check far above it."""
+    path, tok = tiny_model
+    sys.path.insert(0, str(ROOT / "data"))
+    from prepare_toy import prepare_toy
+    prepare_toy(str(tmp_path), seed=0)
+    import dataset
+    cfg = C.load_config(["--sft.stop_at_train_ex=0.5", "--sft.stop_check_every=10", "--sft.steps=40",
+                         f"--sft.stop_near_ex={near}", f"--sft.stop_check_every_near={every_near}",
+                         "--sft.batch_size=4", "--data.prompt_template=compact", f"--data.db_root={tmp_path}",
+                         "--wandb.mode=disabled", "--train.threads=1"])
+    train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=300)
+    curve = {10: 0.1, 20: 0.3, 22: 0.35, 24: 0.45, 26: 0.55, 28: 0.7, 30: 0.85}  # a steep climb
+    seen = []
+
+    def fake_evaluate(sampler, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
+        seen.append(step)
+        return {f"{prefix}/ex": curve[step]}
+    monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
+    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
+                torch.device("cpu"), log)
+    assert seen == checks
+    stops = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "sft/stopped_at" in line]
+    assert [m["sft/stopped_at"] for m in stops] == [stops_at]
+
+
+def test_stop_check_questions_from_unseen_databases():
+    """sft.stop_check_unseen: the stop check's 128 questions are those of whole training databases
+    (spread over the set), and the warm start trains on none of those databases; without it, 128
+    questions spread over the set and the warm start trains on everything; no check, no questions."""
+    exs = [{"id": f"{db}-{q}", "db_id": f"db{db:03d}"} for db in range(120) for q in range(17)]
+    on = C.load_config(["--sft.stop_at_train_ex=0.4", "--sft.stop_check_unseen=true"]).sft
+    probe, train_set = sft.stop_check_questions(exs, on)
+    probe_dbs = {e["db_id"] for e in probe}
+    assert len(probe) == 128 and 7 <= len(probe_dbs) <= 9
+    assert not probe_dbs & {e["db_id"] for e in train_set}
+    assert len(train_set) == len(exs) - 17 * len(probe_dbs)  # every question of those databases left out
+    assert sorted(probe_dbs)[0] == "db000" and sorted(probe_dbs)[-1] >= "db100"  # spread over the set
+    off = C.load_config(["--sft.stop_at_train_ex=0.4"]).sft
+    probe, train_set = sft.stop_check_questions(exs, off)
+    assert len(probe) == 128 and len({e["db_id"] for e in probe}) > 100 and train_set == exs
+    assert sft.stop_check_questions(exs, C.load_config([]).sft) == ([], exs)
+    with pytest.raises(ValueError, match="stop_check_unseen"):
+        sft.stop_check_questions(exs[:17 * 5], on)
+
+
 def test_sft_loss_runs_in_training_mode(tmp_path, tiny_model, monkeypatch):
     """The warm start's loss forwards run in training mode (dropout on), and the model comes back
     in the mode it had (from_pretrained: eval, what rollouts and scoring use)."""
