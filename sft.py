@@ -7,6 +7,7 @@ Tests: .venv/bin/pytest tests/test_sft.py
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -86,6 +87,11 @@ def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log):
     del full, msd, sampler
 
 
+# stop_check_unseen leaves about 8 whole databases out of the warm start: a set with fewer than this
+# (a quick run with data.max_train_examples, a small dataset) uses trained questions instead
+UNSEEN_MIN_DATABASES = 10
+
+
 def stop_check_questions(train_ex: list[dict], s) -> tuple[list[dict], list[dict]]:
     """(the stop check's questions, the warm start's training examples); s: config.SFTConfig.
     No check (stop_at_train_ex 0): none, all of train_ex. Otherwise s.stop_check_questions (128)
@@ -97,7 +103,7 @@ def stop_check_questions(train_ex: list[dict], s) -> tuple[list[dict], list[dict
     if not s.stop_check_unseen:
         return train_ex[::max(1, len(train_ex) // n)][:n], train_ex
     dbs = list(dict.fromkeys(ex["db_id"] for ex in train_ex))
-    if len(dbs) < 10:
+    if len(dbs) < UNSEEN_MIN_DATABASES:
         raise ValueError(f"sft.stop_check_unseen leaves whole training databases out of the warm start, "
                          f"and the training set has {len(dbs)}: set it false")
     per_db = len(train_ex) / len(dbs)
@@ -113,6 +119,11 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
     Returns whether the sampler holds the final weights (the run stopped right after a check)."""
     s = cfg.sft
     t0 = time.time()
+    n_dbs = len({ex["db_id"] for ex in train_ex})
+    if s.stop_at_train_ex > 0 and s.stop_check_unseen and n_dbs < UNSEEN_MIN_DATABASES:
+        log.print(f"note: sft.stop_check_unseen needs >= {UNSEEN_MIN_DATABASES} training databases to leave "
+                  f"some out of the warm start, this training set has {n_dbs}: the stop check uses trained questions")
+        s = dataclasses.replace(s, stop_check_unseen=False)
     probe, train_ex = stop_check_questions(train_ex, s)
     prompts = [rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in train_ex]
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]

@@ -223,6 +223,33 @@ def test_stop_check_questions_from_unseen_databases():
         sft.stop_check_questions(exs[:17 * 5], on)
 
 
+def test_stop_check_unseen_on_a_small_training_set_uses_trained_questions(tmp_path, tiny_model, monkeypatch):
+    """A quick run (data.max_train_examples=40: 3 databases) with tiny.yaml's stop_check_unseen
+    cannot leave ~8 databases out: the warm start says so in one line and checks trained questions
+    (it raised a ValueError on every rank before)."""
+    path, tok = tiny_model
+    sys.path.insert(0, str(ROOT / "data"))
+    from prepare_toy import prepare_toy
+    prepare_toy(str(tmp_path), seed=0)
+    import dataset
+    cfg = C.load_config(["--sft.stop_at_train_ex=0.4", "--sft.stop_check_unseen=true", "--sft.steps=10",
+                         "--sft.stop_check_every=5", "--sft.stop_check_questions=8", "--sft.batch_size=4",
+                         "--data.prompt_template=compact", f"--data.db_root={tmp_path}", "--wandb.mode=disabled",
+                         "--train.threads=1"])
+    train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=40)
+    assert len({ex["db_id"] for ex in train_ex}) < sft.UNSEEN_MIN_DATABASES
+    probes = []
+    monkeypatch.setattr(episodes, "evaluate", lambda sampler, tok, exs, *a, prefix="eval", **k:
+                        probes.append([ex["id"] for ex in exs]) or {f"{prefix}/ex": 0.0})
+    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    printed = []
+    monkeypatch.setattr(log, "print", printed.append)
+    sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
+                torch.device("cpu"), log)
+    assert any("sft.stop_check_unseen needs >= 10 training databases" in line for line in printed)
+    assert probes and set(probes[0]) <= {ex["id"] for ex in train_ex} and len(probes[0]) == 8
+
+
 def test_sft_loss_runs_in_training_mode(tmp_path, tiny_model, monkeypatch):
     """The warm start's loss forwards run in training mode (dropout on), and the model comes back
     in the mode it had (from_pretrained: eval, what rollouts and scoring use)."""
