@@ -21,6 +21,7 @@ from test_packing import V, make_model, make_trajs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import padded  # noqa: E402  (bench/padded.py: the dense mask reference)
+from update_mfu import AllocatedBytes  # noqa: E402  (bench/update_mfu.py: storage bytes every op returns)
 
 
 def random_rows(seed):
@@ -108,20 +109,6 @@ def test_block_mask_equals_create_block_mask():
         n_partial += int(ref.kv_num_blocks.sum())
         n_multi_row += B > 1
     assert n_full > 10 and n_partial > 100 and n_multi_row > 2  # the packings exercise every case
-
-
-class AllocatedBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Sums the storage bytes every op returns (views excluded): a bound on peak tensor memory."""
-    def __init__(self):
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not t._is_view():
-                self.total += t.untyped_storage().nbytes()
-        return out
 
 
 def test_block_mask_32k_row_memory_and_time():
