@@ -256,6 +256,9 @@ def flex_decode(q, k_pool, v_pool, block_mask, block_size: int) -> torch.Tensor:
     k = k_pool.view(1, -1, Hk, D).transpose(1, 2)  # (1, Hk, pool tokens, D): a view, batch broadcast
     v = v_pool.view(1, -1, Hk, D).transpose(1, 2)
     kind = q.device.type
+    if torch.compiler.is_compiling():  # inside the compiled decode step (cuda_graphs.py): traced with it
+        options = {"BLOCK_N": min(block_size, 64)} if kind == "cuda" else None
+        return _decode(qf, k, v, block_mask, options)[:B].reshape(B, 1, H, D)
     if kind not in _FLEX:
         _FLEX[kind] = torch.compile(_decode, dynamic=True)
         # one compile per (batch bucket, dtype) on CUDA: past dynamo's recompile limit (8) a call would
