@@ -215,7 +215,8 @@ def flex_block_mask(cache: PagedKVCache, tables: torch.Tensor, positions: torch.
     B, NB = tables.shape
     bs, dev = cache.block_size, tables.device
     cuda = dev.type == "cuda"
-    rows = max(BATCH_FLOOR, 1 << (B - 1).bit_length()) if cuda else B
+    # inside the compiled decode step the batch is already a graph bucket's: no padding
+    rows = max(BATCH_FLOOR, 1 << (B - 1).bit_length()) if cuda and not torch.compiler.is_compiling() else B
     width = NB if cuda else cache.scratch + 1
     n = (positions // bs + 1).clamp(max=NB)  # (B,) blocks row b reads
     counts = torch.zeros(rows, 1, 1, dtype=torch.int32, device=dev)

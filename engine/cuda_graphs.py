@@ -29,6 +29,7 @@ from engine.decode_step import DecodeState, decode_step
 from engine.sampling import SamplingParams
 
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+RECOMPILE_LIMIT = 32  # dynamo's per-function compile cache: models x sampling modes x specialised sizes
 
 
 def _pow2(n: int) -> int:
@@ -50,8 +51,26 @@ class DecodeGraphs:
         self.step_fn = decode_step
         self.compiled = compile
         if compile:
+            # dynamic: one compilation serves every bucket (sizes 0 and 1 aside, which dynamo
+            # specialises); a new model or sampling mode compiles again (guards), within the limit
             self.step_fn = torch.compile(decode_step, fullgraph=True, dynamic=True)
+            cfg = torch._dynamo.config
+            if hasattr(cfg, "recompile_limit"):
+                cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
         self.capture_s = 0.0  # seconds spent compiling and capturing (what a new bucket costs)
+
+    def warm_up(self, params: list[SamplingParams]) -> float:
+        """Compile (or load from inductor's on-disk cache) and capture the step for each sampling
+        mode before the first rollout, on a 2-row, 2-block bucket of inactive rows (they write
+        only the scratch block); later buckets then cost a capture each. Returns the seconds."""
+        t0 = self.capture_s
+        long = dict(dtype=torch.long, device=self.state.tokens.device)
+        dummy = torch.zeros(2, **long)
+        for p in params:
+            state = self.load(dummy, dummy, dummy, dummy, torch.full((2, 2), self.cache.scratch, **long), 2)
+            state.active.fill_(False)
+            self.replay(state, p)
+        return self.capture_s - t0
 
     def set_candidates(self, candidates: torch.Tensor) -> None:
         self.candidates.copy_(candidates)

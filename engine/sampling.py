@@ -75,7 +75,9 @@ class SamplingParams:
 
     @classmethod
     def of(cls, cfg, greedy: bool = False) -> "SamplingParams":
-        return cls(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k), bool(greedy))
+        if greedy or cfg.temperature <= 0:  # one greedy mode, whatever the other fields say
+            return cls(greedy=True)
+        return cls(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k))
 
 
 PREFILTER = 128  # top-p ranks only each row's PREFILTER most likely tokens (a partial sort);
