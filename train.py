@@ -188,6 +188,8 @@ def main():
                         {"cursor": 0, "log_sizes": log.sizes()}, keep=cfg.train.keep_checkpoints)
     if not synced:
         sampler.refresh(model)  # weight sync: the weights GRPO starts from
+    if sampler.warm_up_s:  # CUDA: the first refresh compiled (or loaded from disk) and captured the decode step
+        log.print(f"sampler: decode step compiled and captured in {sampler.warm_up_s:.1f} s")
     if step == 0:  # held-out EX before any GRPO step (after the warm start), beside the random floor
         warm = episodes.evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
         if rank == 0:

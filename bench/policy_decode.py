@@ -19,7 +19,8 @@ is measured here (a device-to-device copy: bytes read + written per second) and 
 is printed beside it. Decode time counts only the decode windows (prefill apart).
 --profile: for the largest batch of each shape, one rollout under torch.profiler: wall time per
 decode step against the device's busy time, kernels per step, host launches per step.
-Headlines: decode_roofline_pct_{0.5b,7b}_b{B} (the default arm), decode_tok_s_..., refresh_ms_...
+Headlines: decode_roofline_pct_{0.5b,7b}_b{B} (the compiled arm: the default config), decode_tok_s_...,
+refresh_ms_...
 """
 from __future__ import annotations
 
@@ -157,8 +158,8 @@ def main():
     ap.add_argument("--shape", default="", help="one shape (same as --shapes)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", default="64,256")
-    ap.add_argument("--arms", default="compiled,graphs", help="compiled (sampling.compile_decode), graphs (uncompiled "
-                    "step in CUDA graphs), eager (no graphs); the first is the default config's")
+    ap.add_argument("--arms", default="compiled,graphs", help="compiled (sampling.compile_decode: the default config), "
+                    "graphs (the uncompiled step in CUDA graphs), eager (no graphs)")
     ap.add_argument("--paths", default="auto", help="sampling.paged_attention values")
     ap.add_argument("--prompt", type=int, default=768)
     ap.add_argument("--new", type=int, default=256)
@@ -225,7 +226,7 @@ def main():
                             roof = roofline_tok_s(model, B, a.prompt, a.new, gbps, elem)
                             line += f"; {100 * tok_s / roof:.1f}% of the {label} roofline ({roof:.0f} tok/s)"
                     print(line, flush=True)
-                    tag = f"{short}_b{B}" + ("" if arm == arms[0] and path == "auto" else f"_{arm}")
+                    tag = f"{short}_b{B}" + ("" if arm == "compiled" and path == "auto" else f"_{arm}")
                     tag += "" if path == "auto" else f"_{path}"
                     heads.append(f"decode_tok_s_{tag}: {tok_s:.0f}")
                     if measured:

@@ -21,6 +21,7 @@ Used by model_runner.py when sampling.cuda_graphs is on and the model is on CUDA
 """
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
@@ -121,25 +122,27 @@ class DecodeGraphs:
         self.step_fn(self.model, self.cache, state, self.candidates, params)
 
     def _capture(self, state: DecodeState, params: SamplingParams) -> torch.cuda.CUDAGraph:
-        import time
         t0 = time.perf_counter()
+        try:
+            graph = self._try_capture(state, params)
+        except Exception as e:  # noqa: BLE001  (compile and capture errors come in many types)
+            if not self.compiled:
+                raise
+            warnings.warn(f"sampling.compile_decode: the compiled decode step failed ({type(e).__name__}: "
+                          f"{str(e)[:300]}); capturing it uncompiled (set sampling.compile_decode=false)")
+            self.step_fn, self.compiled = decode_step, False
+            graph = self._try_capture(state, params)
+        self.capture_s += time.perf_counter() - t0
+        return graph
+
+    def _try_capture(self, state: DecodeState, params: SamplingParams) -> torch.cuda.CUDAGraph:
         # the warm-up (lazy initialisations, compilation) runs one real step: the row state is put
         # back after it; the K/V it wrote are the ones the replay writes
         saved = [t.clone() for t in _mutable(state)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            try:
-                self._run(state, params)
-            except Exception as e:  # noqa: BLE001  (compile errors come in many types)
-                if not self.compiled:
-                    raise
-                warnings.warn(f"sampling.compile_decode: compiling the decode step failed ({type(e).__name__}: "
-                              f"{str(e)[:300]}); capturing it uncompiled (set sampling.compile_decode=false)")
-                self.step_fn, self.compiled = decode_step, False
-                for t, s in zip(_mutable(state), saved):
-                    t.copy_(s)
-                self._run(state, params)
+            self._run(state, params)
         torch.cuda.current_stream().wait_stream(side)
         for t, s in zip(_mutable(state), saved):
             t.copy_(s)
@@ -148,7 +151,6 @@ class DecodeGraphs:
             self._run(state, params)
         self.pool = graph.pool()
         torch.cuda.synchronize()
-        self.capture_s += time.perf_counter() - t0
         return graph
 
 
