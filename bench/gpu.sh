@@ -99,8 +99,8 @@ else
     DECODE05="--device cuda --shapes qwen2.5-0.5b --batches 64,256 --arms compiled,graphs --repeats 1 --profile"
     DECODE7B="--device cuda --shapes qwen2.5-7b --batches 256 --arms graphs,compiled --repeats 1"
     STEPS=(3 4 2)
-    if ran decode05; then  # the engine preset: 540 s of limits in all (80 + 110 + 150 + 50 + 60 + 90)
-        LIMITS=(150 50 0 60); DLIMITS=(80 110); TESTS_LIMIT=90
+    if ran decode05; then  # the engine preset: 540 s of limits in all (80 + 110 + 170 + 50 + 60 + 70)
+        LIMITS=(170 50 0 60); DLIMITS=(80 110); TESTS_LIMIT=70
     else
         LIMITS=(200 70 100 80); DLIMITS=(90 120)
     fi
