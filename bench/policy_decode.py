@@ -226,6 +226,8 @@ def main():
                             roof = roofline_tok_s(model, B, a.prompt, a.new, gbps, elem)
                             line += f"; {100 * tok_s / roof:.1f}% of the {label} roofline ({roof:.0f} tok/s)"
                     print(line, flush=True)
+                    if graphs is not None and graphs.compile_error:
+                        print(f"compile error ({short}, {arm}): {graphs.compile_error[-3000:]}", flush=True)
                     tag = f"{short}_b{B}" + ("" if arm == "compiled" and path == "auto" else f"_{arm}")
                     tag += "" if path == "auto" else f"_{path}"
                     heads.append(f"decode_tok_s_{tag}: {tok_s:.0f}")

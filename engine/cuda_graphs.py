@@ -55,10 +55,12 @@ class DecodeGraphs:
             # dynamic: one compilation serves every bucket (sizes 0 and 1 aside, which dynamo
             # specialises); a new model or sampling mode compiles again (guards), within the limit
             self.step_fn = torch.compile(decode_step, fullgraph=True, dynamic=True)
+            cache.static_flex = (self.max_rows, self.max_blocks)
             cfg = torch._dynamo.config
             if hasattr(cfg, "recompile_limit"):
                 cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
         self.capture_s = 0.0  # seconds spent compiling and capturing (what a new bucket costs)
+        self.compile_error = ""  # why compiling failed, when it did (the warning has its start)
 
     def warm_up(self, params: list[SamplingParams]) -> float:
         """Compile (or load from inductor's on-disk cache) and capture the step for each sampling
@@ -128,9 +130,11 @@ class DecodeGraphs:
         except Exception as e:  # noqa: BLE001  (compile and capture errors come in many types)
             if not self.compiled:
                 raise
+            self.compile_error = f"{type(e).__name__}: {e}"
             warnings.warn(f"sampling.compile_decode: the compiled decode step failed ({type(e).__name__}: "
                           f"{str(e)[:300]}); capturing it uncompiled (set sampling.compile_decode=false)")
             self.step_fn, self.compiled = decode_step, False
+            self.cache.static_flex = None
             graph = self._try_capture(state, params)
         self.capture_s += time.perf_counter() - t0
         return graph

@@ -228,8 +228,9 @@ def test_the_captured_step_on_cuda_samples_the_eager_tokens(models, compile_step
     the same step run eagerly on the GPU; wide nuclei (T=2) go through the host fallback in both."""
     torch._dynamo.reset()
     model = copy.deepcopy(models[1]).cuda()
-    want = run(model, cfg(temperature=2.0, cuda_graphs=False))
-    got = run(model, cfg(temperature=2.0, cuda_graphs=True, compile_decode=compile_step))
+    # blocks of 16: FlexAttention's smallest KV tile (the CUDA default path)
+    want = run(model, cfg(temperature=2.0, block_size=16, cuda_graphs=False))
+    got = run(model, cfg(temperature=2.0, block_size=16, cuda_graphs=True, compile_decode=compile_step))
     assert got[0] == want[0]
     for a, b in zip(got[1], want[1]):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
