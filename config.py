@@ -148,9 +148,11 @@ class SamplingConfig:
     block_size: int = 16  # tokens per KV cache block (the unit of paging and prompt sharing)
     max_decode_rows: int = 0  # most sequences decoding at once; 0 = as many as the KV budget holds
     cuda_graphs: bool = True  # CUDA: replay the whole decode step from captured graphs (ignored on CPU)
-    # CUDA graphs: compile the decode step (inductor) before capturing it: the norms, RoPE, slot
-    # arithmetic and sampling fuse into a few kernels instead of ~40 small ones per layer
-    compile_decode: bool = True
+    # CUDA graphs: compile the decode step (inductor) before capturing it, to fuse the norms, RoPE,
+    # slot arithmetic and sampling into a few kernels instead of ~40 small ones per layer. Off: on the
+    # H200 (torch 2.11) inductor has not yet lowered FlexAttention inside the step, so the compile
+    # failed and fell back after ~45 s (bench/RESULTS.md, fourth GPU session); on for measuring it
+    compile_decode: bool = False
     prefill_tokens: int = 16384  # padded tokens per prefill forward: bounds its activations
     # how a decode step reads the paged KV cache (paged_attention.py): flex = FlexAttention over the
     # blocks in place, gather = copy each row's blocks out then SDPA (the reference); auto = flex on CUDA

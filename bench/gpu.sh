@@ -15,9 +15,9 @@
 # downloaded: the machine has no network.
 #
 # engine: (1) decode05, decode7b: PolicySampler decode at the Qwen2.5-0.5B and 7B shapes (random
-#   weights, bf16, B=64/256 and B=256, ~1k tokens of context), the compiled whole-step graphs (the
-#   default) against the uncompiled ones, with a profile of the largest batch: % of the measured HBM
-#   roofline (bench/policy_decode.py); (2) grpo_run then grpo_resume: the resumed process's first
+#   weights, bf16, B=64/256 and B=256, ~1k tokens of context), the whole-step graphs (the default)
+#   against the same step compiled first (sampling.compile_decode), with a profile of the largest
+#   batch: % of the measured HBM roofline (bench/policy_decode.py); (2) grpo_run then grpo_resume: the resumed process's first
 #   rollout against a steady one; (3) peaks per phase against memory_estimate, LoRA included
 #   (lora_run); (4) tests: the suite with CUDA visible, verbose. grpo_run is the first preset's run.
 # first: (a) grpo_run: train.py under torchrun, one GPU, configs/tiny.yaml's toy data with a
@@ -95,8 +95,8 @@ if [ "$SMOKE" = 1 ]; then
 else
     BODY="--model.tiny_hidden_size=896 --model.tiny_layers=24 --model.tiny_heads=14 --model.tiny_kv_heads=2 --model.tiny_intermediate_size=4864"
     SIZES="--sft.steps=40 --grpo.prompts_per_step=64 --data.max_eval_examples=64"
-    DECODE="--device cuda --shape qwen2.5-0.5b --batches 64,256 --arms compiled,graphs"
-    DECODE05="--device cuda --shapes qwen2.5-0.5b --batches 64,256 --arms compiled,graphs --repeats 1 --profile"
+    DECODE="--device cuda --shape qwen2.5-0.5b --batches 64,256 --arms graphs,compiled"
+    DECODE05="--device cuda --shapes qwen2.5-0.5b --batches 64,256 --arms graphs,compiled --repeats 1 --profile"
     DECODE7B="--device cuda --shapes qwen2.5-7b --batches 256 --arms graphs,compiled --repeats 1"
     STEPS=(3 4 2)
     if ran decode05; then  # the engine preset: 540 s of limits in all (80 + 110 + 170 + 50 + 60 + 70)
@@ -147,7 +147,7 @@ RVG="--model.path=${RVG_MODEL:-$RUNS/gpu/model05b}"
 # shellcheck disable=SC2086
 part rollout_vs_generate 60 $PY bench/rollout_vs_generate.py $RUN_ARGS $RVG
 # where a B=256 decode step's time goes
-if [ "$SMOKE" = 1 ]; then PROFILE="--smoke"; else PROFILE="--device cuda --shape qwen2.5-0.5b --batches 256 --arms compiled --repeats 1"; fi
+if [ "$SMOKE" = 1 ]; then PROFILE="--smoke"; else PROFILE="--device cuda --shape qwen2.5-0.5b --batches 256 --arms graphs --repeats 1"; fi
 # shellcheck disable=SC2086
 part decode_profile 45 $PY bench/policy_decode.py $PROFILE --profile
 

@@ -8,9 +8,9 @@ spare 15 GB) is copied into a PolicySampler (sampler.refresh: timed, it is the p
 sync; the first one also compiles the decode step), then each batch of B random prompts of
 --prompt tokens samples --new tokens per row (EOS and stop strings off, temperature 1 and no top-p:
 random weights give flat distributions, whose top-p nuclei would all go to the host sampler) on
-the sampler's engine. Arms (--arms): `compiled` (sampling.compile_decode, the default: the whole
-decode step compiled by inductor and captured in one CUDA graph per bucket), `graphs` (the same
-step captured uncompiled). The first rollout of each (batch, arm) captures its buckets; the timed
+the sampler's engine. Arms (--arms): `graphs` (the default config: the whole decode step captured
+in one CUDA graph per bucket), `compiled` (sampling.compile_decode: the step compiled by inductor
+first). The first rollout of each (batch, arm) captures its buckets; the timed
 ones after it only replay (medians over --repeats).
 
 Roofline: a decode step must read every weight once plus each row's K/V so far, so
@@ -19,8 +19,8 @@ is measured here (a device-to-device copy: bytes read + written per second) and 
 is printed beside it. Decode time counts only the decode windows (prefill apart).
 --profile: for the largest batch of each shape, one rollout under torch.profiler: wall time per
 decode step against the device's busy time, kernels per step, host launches per step.
-Headlines: decode_roofline_pct_{0.5b,7b}_b{B} (the compiled arm: the default config), decode_tok_s_...,
-refresh_ms_...
+Headlines: decode_roofline_pct_{0.5b,7b}_b{B} (the default config's arm; others get _ARM),
+decode_tok_s_..., refresh_ms_...
 """
 from __future__ import annotations
 
@@ -158,8 +158,8 @@ def main():
     ap.add_argument("--shape", default="", help="one shape (same as --shapes)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", default="64,256")
-    ap.add_argument("--arms", default="compiled,graphs", help="compiled (sampling.compile_decode: the default config), "
-                    "graphs (the uncompiled step in CUDA graphs), eager (no graphs)")
+    ap.add_argument("--arms", default="graphs,compiled", help="graphs (the step in CUDA graphs: the default config), "
+                    "compiled (sampling.compile_decode: compiled first), eager (no graphs)")
     ap.add_argument("--paths", default="auto", help="sampling.paged_attention values")
     ap.add_argument("--prompt", type=int, default=768)
     ap.add_argument("--new", type=int, default=256)
@@ -228,7 +228,8 @@ def main():
                     print(line, flush=True)
                     if graphs is not None and graphs.compile_error:
                         print(f"compile error ({short}, {arm}): {graphs.compile_error[-3000:]}", flush=True)
-                    tag = f"{short}_b{B}" + ("" if arm == "compiled" and path == "auto" else f"_{arm}")
+                    default_arm = "compiled" if SamplingConfig().compile_decode else "graphs"
+                    tag = f"{short}_b{B}" + ("" if arm == default_arm and path == "auto" else f"_{arm}")
                     tag += "" if path == "auto" else f"_{path}"
                     heads.append(f"decode_tok_s_{tag}: {tok_s:.0f}")
                     if measured:

@@ -52,9 +52,11 @@ class DecodeGraphs:
         self.step_fn = decode_step
         self.compiled = compile
         if compile:
-            # dynamic: one compilation serves every bucket (sizes 0 and 1 aside, which dynamo
-            # specialises); a new model or sampling mode compiles again (guards), within the limit
-            self.step_fn = torch.compile(decode_step, fullgraph=True, dynamic=True)
+            # the rows and blocks of a bucket are marked dynamic (_run): one compilation serves every
+            # bucket (sizes 1 aside, which dynamo specialises); the cache's ints stay constants (with
+            # dynamic=True they became symbols, and inductor could not lower flex over them); a new
+            # model or sampling mode compiles again (guards), within the limit
+            self.step_fn = torch.compile(decode_step, fullgraph=True)
             cache.static_flex = (self.max_rows, self.max_blocks)
             cfg = torch._dynamo.config
             if hasattr(cfg, "recompile_limit"):
@@ -121,6 +123,12 @@ class DecodeGraphs:
         graph.replay()
 
     def _run(self, state, params):
+        if self.compiled:  # (rows,) and (rows, blocks): the sizes that change between buckets
+            for t in _mutable(state) + [state.keys, state.tables]:
+                if t.dim() and t.shape[0] > 1:
+                    torch._dynamo.mark_dynamic(t, 0)
+            if state.tables.shape[1] > 1:
+                torch._dynamo.mark_dynamic(state.tables, 1)
         self.step_fn(self.model, self.cache, state, self.candidates, params)
 
     def _capture(self, state: DecodeState, params: SamplingParams) -> torch.cuda.CUDAGraph:
