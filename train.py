@@ -301,9 +301,10 @@ def main():
         path = checkpoint.save(cfg.train.out_dir, step, model, optimizer, scheduler, tok, cfg,
                                {"cursor": stream.cursor, "log_sizes": log.sizes()},
                                keep=cfg.train.keep_checkpoints) if saved_at != step else checkpoint.latest(cfg.train.out_dir)
-        log.print(runguard.stop_line(stopped, step, cfg.train.steps, path))
+        line = runguard.stop_line(stopped, step, cfg.train.steps, path)
+        log.print(line)
         close()
-        raise runguard.Stopped(stopped)
+        raise runguard.Stopped(stopped, line if rank == 0 else "")  # the line: torchrun's summary shows it too
     log.metrics(step, {plot.DONE: 1.0})  # the run's final line: plot.py --follow stops on it
     # the machine's speed beside the wall time: sampled tokens per rollout second (all ranks) and
     # tokens (prompt + response) through the update's forward + backward per update second
