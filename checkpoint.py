@@ -11,6 +11,9 @@
                    torch.load(weights_only=True), so resuming from a shared checkpoint runs no
                    code it carries (a trainer.pt that pickles anything else is refused, unread)
     config.yaml    the resolved config of the run
+<out_dir>/warm_start/  the SFT warm start's save, laid out the same (sft.run_sft writes it every
+                   sft.save_every steps, at its end and at a stop; the next run continues from it).
+                   Superseded by ckpt_000000: removed once that is written
 
 Written to a temporary folder and renamed into place, so a kill never leaves a half checkpoint.
 Under FSDP2 the full state dicts are gathered to rank 0 (cpu_offload) on save; on load only
@@ -81,8 +84,10 @@ def full_model_state(model) -> dict:
 
 
 def save(out_dir: str, step: int, model, optimizer, scheduler, tokenizer, cfg: C.Config, extra: dict,
-         keep: int = 2) -> str | None:
-    """Collective: every rank must call it. Returns the checkpoint path on rank 0."""
+         keep: int = 2, name: str = "") -> str | None:
+    """Collective: every rank must call it. Returns the checkpoint path on rank 0. extra: plain
+    types only (see the module docstring). name: the folder (replaced atomically; default
+    ckpt_<step>, of which the `keep` latest are kept)."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     lora_run = hasattr(model, "lora_spec")
     # LoRA: gather the adapters only (the base is frozen and on disk already), unless merged
@@ -99,8 +104,8 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, tokenizer, cfg: C
     if _rank() == 0:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        final = out / f"ckpt_{step:06d}"
-        tmp = out / f".tmp_ckpt_{step:06d}"
+        final = out / (name or f"ckpt_{step:06d}")
+        tmp = out / f".tmp_{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         if lora_run:
             lora.save_adapter(model, tmp / "adapter", base_path=lora_base_path(cfg), state_dict=msd)
@@ -117,7 +122,8 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, tokenizer, cfg: C
         os.replace(tmp, final)  # atomic on one filesystem
         # ckpt_000000 (the policy at GRPO start, after any warm start) is always kept: it is
         # the KL reference and the "before" of every comparison
-        old = [p for p in sorted(out.glob("ckpt_*"))[:-keep] if p.name != "ckpt_000000"] if keep > 0 else []
+        old = [p for p in sorted(out.glob("ckpt_*"))[:-keep] if p.name != "ckpt_000000"] \
+            if keep > 0 and not name else []
         for p in old:
             shutil.rmtree(p, ignore_errors=True)
         path = str(final)
@@ -149,12 +155,23 @@ def export_hf(model, full_sd: dict, folder: Path, tokenizer=None):
         tokenizer.save_pretrained(str(folder))
 
 
+WARM_START = "warm_start"  # <out_dir>/warm_start: the warm start's save
+
+
+def warm_start_save(out_dir: str) -> str | None:
+    """<out_dir>/warm_start when a warm start saved there (written whole or not at all)."""
+    path = Path(out_dir) / WARM_START
+    return str(path) if (path / "trainer.pt").exists() else None
+
+
 def set_aside(out_dir: str) -> str | None:
-    """A fresh start (train.resume=false) in an out_dir that holds an earlier run's checkpoints:
-    they move to <out_dir>/earlier-<time>/ (rank 0, before anything is saved). Left in place, the
-    old ckpt_000024 would outlive the new run's ckpt_000008 in the pruning (by step order) and a
-    later resume would continue the old run. Returns the folder they went to, or None."""
-    old = sorted(Path(out_dir).glob("ckpt_*")) if Path(out_dir).is_dir() else []
+    """A fresh start (train.resume=false) in an out_dir that holds an earlier run's checkpoints
+    (or its warm start's save): they move to <out_dir>/earlier-<time>/ (rank 0, before anything is
+    saved). Left in place, the old ckpt_000024 would outlive the new run's ckpt_000008 in the
+    pruning (by step order) and a later resume would continue the old run. Returns the folder they
+    went to, or None."""
+    old = sorted(Path(out_dir).glob("ckpt_*")) + sorted(Path(out_dir).glob(WARM_START)) \
+        if Path(out_dir).is_dir() else []
     if not old:
         return None
     import time

@@ -5,8 +5,9 @@ at a step boundary, ranks that stop with their launcher, and one line per user e
         sys.exit(runguard.run_main(main))          # a user error: one line on rank 0, exit 1
     lock = runguard.lock_out_dir(out_dir)          # rank 0, before the process group: one run per out_dir
     runguard.stop_with_launcher()                  # torchrun's ranks: SIGTERM to self when torchrun is gone
-    stop = runguard.StopSignals()                  # SIGINT/SIGTERM: stop at once (before the loop) ...
+    stop = runguard.StopSignals()                  # SIGINT/SIGTERM: stop at once (set-up) ...
     stop.at_step_boundary()                        # ... or, from here, at the next step boundary
+    stop.at_once()                                 # ... or at once again (between warm start and loop)
     if stop.requested(device): ...                 # collective: every rank stops at the same step
 
 User errors (config.ConfigError, dataset.DatasetError, RunError) are the same on every rank (the
@@ -226,10 +227,11 @@ def stop_with_launcher(poll_s: float = 0.5) -> bool:
 
 
 class StopSignals:
-    """SIGINT and SIGTERM handlers. At first (set-up, warm start) a signal stops at once: Interrupted
-    (run_main prints one line on rank 0). After at_step_boundary(), the first signal only asks to
-    stop: requested() agrees on it over all ranks at the end of a step, and train.py saves a
-    checkpoint and stops; a second signal stops at once."""
+    """SIGINT and SIGTERM handlers. At first (set-up) a signal stops at once: Interrupted (run_main
+    prints one line on rank 0). After at_step_boundary() (the warm start's steps, then GRPO's), the
+    first signal only asks to stop: requested() agrees on it over all ranks at the end of a step,
+    and the loop saves and stops; a second signal stops at once. at_once() goes back to the first
+    mode (set-up between the warm start and the GRPO loop)."""
 
     def __init__(self):
         self.graceful, self.signum = False, 0
@@ -253,6 +255,13 @@ class StopSignals:
     def at_step_boundary(self):
         self.graceful = True
 
+    def at_once(self):
+        """Back to stopping at once (the warm start is over, the GRPO loop has not begun); a signal
+        noted since the last requested() stops now."""
+        self.graceful = False
+        if self.signum:
+            raise Interrupted(self.signum)
+
     def requested(self, device) -> int:
         """Collective: the signal some rank received (0 if none), the same on every rank."""
         import torch
@@ -269,7 +278,7 @@ def _restore_handlers(previous: dict):
             signal.signal(sig, handler)
 
 
-def stop_line(signum: int, step: int, steps: int, checkpoint: str) -> str:
-    """What rank 0 prints after a stop at a step boundary."""
+def stop_line(signum: int, step: int, steps: int, checkpoint: str, what: str = "step") -> str:
+    """What rank 0 prints after a stop at a step boundary (what: "warm-start step" in the warm start)."""
     why = "the launcher is gone" if launcher_gone.is_set() else signal.Signals(signum).name
-    return f"stopped ({why}) after step {step} of {steps}: saved {checkpoint}; the same command resumes from it"
+    return f"stopped ({why}) after {what} {step} of {steps}: saved {checkpoint}; the same command resumes from it"

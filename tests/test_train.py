@@ -1,7 +1,6 @@
 """The trainer end to end: GRPO raises reward on a trivial task (signs, masks, normalisation),
 the SFT gold trajectories mask exactly the model side, a 2-process torchrun run works, and a
 killed run resumes to bit-identical weights."""
-import dataclasses
 import json
 import os
 import signal
@@ -102,7 +101,8 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
     import dataset
     cfg = C.load_config([f"--sft.stop_at_train_ex={threshold}", "--sft.stop_check_every=10", "--sft.steps=40",
                          "--sft.batch_size=4", "--data.prompt_template=compact", f"--data.db_root={tmp_path}",
-                         "--wandb.mode=disabled", "--train.threads=1"])
+                         "--wandb.mode=disabled", "--train.threads=1",
+                         f"--train.out_dir={tmp_path}/run"])  # the warm start saves there
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=300)
     checks, steps = [], []
     curve = {10: 0.1, 20: 0.5, 30: 0.85}  # the stubbed training EX at each check
@@ -113,7 +113,7 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
     real_step = optim.step_optimizer
     monkeypatch.setattr(optim, "step_optimizer", lambda *a: steps.append(1) or real_step(*a))
     monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
-    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    log = run_log.Log(cfg, 0)
     model = Transformer.from_pretrained(path)
     sampler = CountingSampler()
     synced = sft.run_sft(model, sampler, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log)
@@ -153,7 +153,8 @@ def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, monkeypatch,
     cfg = C.load_config(["--sft.stop_at_train_ex=0.4", "--sft.stop_at_train_recovery=0.25", "--sft.steps=40",
                          f"--sft.stop_check_from={check_from}",
                          "--sft.stop_check_every=10", "--sft.batch_size=4", "--data.prompt_template=compact",
-                         f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1"])
+                         f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1",
+                         f"--train.out_dir={tmp_path}/run"])  # the warm start saves there
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=300)
     checks = []
 
@@ -162,7 +163,7 @@ def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, monkeypatch,
         ex, recovery = curve[step]
         return {f"{prefix}/ex": ex, **({f"{prefix}/recovery_rate": recovery} if recovery is not None else {})}
     monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
-    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    log = run_log.Log(cfg, 0)
     sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
                 torch.device("cpu"), log)
     assert checks == [c for c in range(10, (stops_at or 30) + 1, 10) if c >= check_from]
@@ -186,7 +187,8 @@ def test_sft_checks_finer_near_the_threshold(tmp_path, tiny_model, monkeypatch, 
     cfg = C.load_config(["--sft.stop_at_train_ex=0.5", "--sft.stop_check_every=10", "--sft.steps=40",
                          f"--sft.stop_near_ex={near}", f"--sft.stop_check_every_near={every_near}",
                          "--sft.batch_size=4", "--data.prompt_template=compact", f"--data.db_root={tmp_path}",
-                         "--wandb.mode=disabled", "--train.threads=1"])
+                         "--wandb.mode=disabled", "--train.threads=1",
+                         f"--train.out_dir={tmp_path}/run"])  # the warm start saves there
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=300)
     curve = {10: 0.1, 20: 0.3, 22: 0.35, 24: 0.45, 26: 0.55, 28: 0.7, 30: 0.85}  # a steep climb
     seen = []
@@ -195,12 +197,88 @@ def test_sft_checks_finer_near_the_threshold(tmp_path, tiny_model, monkeypatch, 
         seen.append(step)
         return {f"{prefix}/ex": curve[step]}
     monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
-    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    log = run_log.Log(cfg, 0)
     sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
                 torch.device("cpu"), log)
     assert seen == checks
     stops = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "sft/stopped_at" in line]
     assert [m["sft/stopped_at"] for m in stops] == [stops_at]
+
+
+def near_grid_cfg(tmp_path, *extra):
+    """The toy set at tmp_path and a warm start of 40 steps with a coarse (10) and a fine (near 0.3)
+    check grid, stopping at training EX 0.5; extra: more --key=value overrides."""
+    sys.path.insert(0, str(ROOT / "data"))
+    from prepare_toy import prepare_toy
+    prepare_toy(str(tmp_path), seed=0)
+    import dataset
+    cfg = C.load_config(["--sft.stop_at_train_ex=0.5", "--sft.stop_check_every=10", "--sft.steps=40",
+                         "--sft.stop_near_ex=0.3", "--sft.batch_size=4", "--data.prompt_template=compact",
+                         f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1",
+                         f"--train.out_dir={tmp_path}/run", *extra])
+    return cfg, dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=300)
+
+
+def stops_logged(out_dir) -> list:
+    return [m["sft/stopped_at"] for m in read_metrics(out_dir) if "sft/stopped_at" in m]
+
+
+def test_sft_check_grid_returns_to_the_coarse_one_when_ex_falls_back(tmp_path, tiny_model, monkeypatch):
+    """The fine grid lasts while the last check is at or above sft.stop_near_ex: a check that falls
+    back below it returns to stop_check_every (training EX is noisy on 128 questions), and a later
+    check near it again returns to the fine grid. Each grid is the multiples of its step count."""
+    path, tok = tiny_model
+    cfg, train_ex = near_grid_cfg(tmp_path, "--sft.stop_check_every_near=3")
+    curve = {10: 0.1, 20: 0.35, 21: 0.25, 30: 0.4, 33: 0.6}  # near at 20, below at 21, near at 30, stop at 33
+    seen = []
+    monkeypatch.setattr(episodes, "evaluate", lambda sampler, tok, exs, cfg, rank, world, device, log, step,
+                        prefix="eval": seen.append(step) or {f"{prefix}/ex": curve[step]})
+    sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
+                torch.device("cpu"), run_log.Log(cfg, 0))
+    assert seen == [10, 20, 21, 30, 33] and stops_logged(tmp_path / "run") == [33]
+
+
+def test_sft_resumes_its_weights_and_its_check_grid(tmp_path, tiny_model, monkeypatch):
+    """A warm start killed at step 24 (after its save at step 22, on the fine grid) and resumed
+    from that save checks where the run that was never stopped checks (24, 26: a resume on the
+    coarse grid would check 30 next), stops at the same step and ends with the same weights
+    (the weights, AdamW moments, schedule and data order all came back)."""
+    path, tok = tiny_model
+    cfg, train_ex = near_grid_cfg(tmp_path, "--sft.stop_check_every_near=2", "--sft.save_every=2")
+    curve = {10: 0.1, 20: 0.3, 22: 0.35, 24: 0.45, 26: 0.55, 28: 0.7, 30: 0.85}
+    seen = []
+
+    class Killed(Exception):
+        pass
+
+    def fake_evaluate(sampler, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
+        if step == kill_at:
+            raise Killed
+        seen.append(step)
+        return {f"{prefix}/ex": curve[step]}
+    monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
+
+    def warm_start(resume_from=None):
+        model = Transformer.from_pretrained(path)
+        sft.run_sft(model, CountingSampler(), tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), run_log.Log(cfg, 0),
+                    resume_from=resume_from)
+        return model
+
+    kill_at = None
+    straight = warm_start().state_dict()
+    assert seen == [10, 20, 22, 24, 26] and stops_logged(tmp_path / "run") == [26]
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    seen.clear()
+    kill_at = 24
+    with pytest.raises(Killed):
+        warm_start()
+    save = checkpoint.warm_start_save(str(tmp_path / "run"))
+    assert torch.load(f"{save}/trainer.pt", weights_only=True)["step"] == 22
+    kill_at = None
+    resumed = warm_start(resume_from=save).state_dict()
+    assert seen == [10, 20, 22, 24, 26] and stops_logged(tmp_path / "run") == [26]
+    for name, w in straight.items():
+        assert torch.equal(w, resumed[name]), name
 
 
 def test_stop_check_questions_from_unseen_databases():
@@ -235,13 +313,13 @@ def test_stop_check_unseen_on_a_small_training_set_uses_trained_questions(tmp_pa
     cfg = C.load_config(["--sft.stop_at_train_ex=0.4", "--sft.stop_check_unseen=true", "--sft.steps=10",
                          "--sft.stop_check_every=5", "--sft.stop_check_questions=8", "--sft.batch_size=4",
                          "--data.prompt_template=compact", f"--data.db_root={tmp_path}", "--wandb.mode=disabled",
-                         "--train.threads=1"])
+                         "--train.threads=1", f"--train.out_dir={tmp_path}/run"])
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=40)
     assert len({ex["db_id"] for ex in train_ex}) < sft.UNSEEN_MIN_DATABASES
     probes = []
     monkeypatch.setattr(episodes, "evaluate", lambda sampler, tok, exs, *a, prefix="eval", **k:
                         probes.append([ex["id"] for ex in exs]) or {f"{prefix}/ex": 0.0})
-    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    log = run_log.Log(cfg, 0)
     printed = []
     monkeypatch.setattr(log, "print", printed.append)
     sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
@@ -259,12 +337,13 @@ def test_sft_loss_runs_in_training_mode(tmp_path, tiny_model, monkeypatch):
     prepare_toy(str(tmp_path), seed=0)
     import dataset
     cfg = C.load_config(["--sft.steps=2", "--sft.batch_size=4", "--data.prompt_template=compact",
-                         f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1"])
+                         f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1",
+                         f"--train.out_dir={tmp_path}/run"])  # the warm start saves there
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=16)
     modes, real_loss = [], sft.sft_loss_sum
     monkeypatch.setattr(sft, "sft_loss_sum", lambda model, *a, **kw: modes.append(model.training) or
                         real_loss(model, *a, **kw))
-    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    log = run_log.Log(cfg, 0)
     model = Transformer.from_pretrained(path)
     sft.run_sft(model, CountingSampler(), tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log)
     assert modes and all(modes) and not model.training
