@@ -2,6 +2,7 @@
 the SFT gold trajectories mask exactly the model side, a 2-process torchrun run works, and a
 killed run resumes to bit-identical weights."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -23,7 +24,7 @@ import run_log
 import sft
 import tiny
 import train
-from conftest import ROOT, grpo_update, torchrun_env
+from conftest import ROOT, build_tiny_assets, grpo_update, torchrun_env
 from model import Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -495,6 +496,113 @@ def test_kill_and_resume_is_exact(tmp_path):
     assert a == b
     # the rollouts and updates after resume were the same too: identical per-step training metrics
     assert_resumed_steps_learn_alike(tmp_path / "straight", tmp_path / "killed", (3, 4))
+
+
+# -----------------------------------------------------------------------------
+# train.main's loop with a scripted sampler: what the keep mask passes to the update, and when the
+# weights are synced to the sampler
+
+
+@pytest.fixture(scope="module")
+def loop_assets(tmp_path_factory):
+    return ["--" + a for a in build_tiny_assets(tmp_path_factory.mktemp("loop"))]
+
+
+def weights(model) -> dict:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+class ScriptedSampler:
+    """Stands in for policy_sampler.PolicySampler in train.main. rollout returns G one-token
+    episodes per example, each tagged (round, example id, sample) (a round = one rollout call
+    within a step); `reward_of(round, i, j)` scores sample j of the round's i-th example. Each
+    refresh records the policy's weights, and each rollout whether it samples the current ones."""
+
+    def __init__(self, model, cfg, dtype=None):
+        self.model, self.synced, self.rounds, self.current, self.asked = model, [], 0, [], []
+        ScriptedSampler.made.append(self)
+
+    def refresh(self, model):
+        self.synced.append(weights(model))
+
+    def rollout(self, tok, examples, env_cfg, data_cfg, db_root, *, sampling_cfg=None, n=1, seed=0, greedy=False):
+        self.asked.append([ex["id"] for ex in examples])
+        now = weights(self.model)
+        self.current.append(all(torch.equal(now[k], v) for k, v in self.synced[-1].items()))
+        trajs = []
+        for i, ex in enumerate(examples):
+            for j in range(n):
+                t = rollout.Trajectory.of([1, 2], [1, 2, 3], [0, 0, 1], [0.0, 0.0, -1.0], num_turns=1, index=i,
+                                          sample=j)
+                t.tag, t.reward = (self.rounds, ex["id"], j), float(self.reward_of(self.rounds, i, j))
+                trajs.append(t)
+        self.rounds += 1
+        return trajs
+
+
+def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *args):
+    """train.main with the scripted sampler; the update records the episodes and advantages it is
+    given; optim.step_optimizer returns the next of `grad_norms` and, when finite, moves every
+    weight (a skipped step moves none). Returns (the sampler, [(tags, advantages) per update])."""
+    import baseline
+    ScriptedSampler.made, ScriptedSampler.reward_of = [], staticmethod(reward_of)
+    updates, norms = [], iter(grad_norms)
+
+    def step_optimizer(model, opt, sch, cfg):
+        g = next(norms)
+        if math.isfinite(g):
+            with torch.no_grad():
+                for q in model.parameters():
+                    q.add_(0.01)
+        return g
+    monkeypatch.setattr(train, "PolicySampler", ScriptedSampler)
+    monkeypatch.setattr(episodes, "rewards", lambda trajs, exs, tok, cfg, n=1: [
+        {"reward": t.reward, "exec_match": t.reward > 0, "format_ok": True} for t in trajs])
+    monkeypatch.setattr(episodes, "evaluate", lambda *a, **k: {"eval/ex": 0.0})
+    monkeypatch.setattr(baseline, "report", lambda *a, **k: None)
+    monkeypatch.setattr(train, "batch_logprobs", lambda model, ref, trajs, cfg, device: None)
+    monkeypatch.setattr(train, "update", lambda model, trajs, idx, adv, logps, cfg, world, device, sums:
+                        updates.append(([trajs[i].tag for i in idx], adv[idx].tolist())))
+    monkeypatch.setattr(optim, "step_optimizer", step_optimizer)
+    monkeypatch.setattr(sys, "argv", ["train.py", "configs/tiny.yaml", *assets, "--sft.steps=0", "--train.threads=0",
+                                      "--train.eval_every=0", "--train.sample_every=0", "--data.max_train_examples=16",
+                                      "--data.max_eval_examples=2", "--env.workers=1", "--grpo.group_size=2",
+                                      "--grpo.prompts_per_step=4", "--train.max_bad_steps=10",
+                                      f"--train.out_dir={tmp_path}/run", *args])
+    train.main()
+    return ScriptedSampler.made[0], updates
+
+
+def test_dynamic_sampling_updates_exactly_the_mixed_groups_whole_and_in_order(tmp_path, monkeypatch, loop_assets):
+    """grpo.dynamic_sampling: the loop keeps the groups whose rewards differ, whole (both samples),
+    in the order sampled, across a resample round, and cuts to prompts_per_step groups; each kept
+    episode's advantage has the sign of its reward against its group's mean."""
+    mixed = {0: {0, 2}, 1: {1, 2, 3}}  # round -> the examples whose two samples get different rewards
+    sampler, updates = run_scripted_loop(
+        monkeypatch, tmp_path, loop_assets, lambda rnd, i, j: int(j == 0) if i in mixed[rnd] else 0, [1.0],
+        "--grpo.dynamic_sampling=true", "--grpo.max_resample_rounds=2", "--train.steps=1")
+    assert sampler.rounds == 2  # round 0 kept 2 groups of 4, round 1 three more: no third round
+    (tags, adv), = updates
+    asked = sampler.asked  # the examples of each round, in order
+    kept = [(0, asked[0][0]), (0, asked[0][2]), (1, asked[1][1]), (1, asked[1][2])]  # the 4th mixed one: cut
+    assert tags == [(rnd, ex_id, j) for rnd, ex_id in kept for j in (0, 1)]
+    assert [a > 0 for a in adv] == [True, False] * 4 and abs(sum(adv)) < 1e-5
+
+
+def test_weights_are_synced_after_a_batch_whose_steps_moved_them(tmp_path, monkeypatch, loop_assets):
+    """grpo.mini_batches 2: two optimizer steps per batch. A batch whose first step was skipped as
+    non-finite and second moved the weights (or the other way round) is synced before the next
+    rollout; a batch whose steps were all skipped is not (the sampler already holds those weights).
+    Every rollout samples the policy's current weights."""
+    sampler, updates = run_scripted_loop(
+        monkeypatch, tmp_path, loop_assets, lambda rnd, i, j: j,
+        [math.nan, 1.0, 1.0, math.nan, math.nan, math.nan, 1.0, 1.0],  # two optimizer steps per batch
+        "--grpo.dynamic_sampling=false", "--grpo.mini_batches=2", "--train.steps=4")
+    assert len(updates) == 8 and sampler.rounds == 4
+    assert sampler.current == [True] * 4  # each step's rollout sampled the weights of the step before
+    assert len(sampler.synced) == 1 + 3  # before the first rollout, then after steps 1, 2 and 4 (not 3)
+    assert not torch.equal(sampler.synced[1]["embed_tokens.weight"], sampler.synced[0]["embed_tokens.weight"])
 
 
 def test_memory_estimate_of_the_7b_recipe_fits_80gb():
