@@ -5,7 +5,7 @@ train.py calls run_sft (the loop) before GRPO when `sft.steps > 0`, or warm_star
 run (SFT the full model, then write the frozen base); it shares the model, FSDP2 and checkpoints.
 A stop (Ctrl-C, SIGTERM, kill -9) loses at most sft.save_every steps: the same command continues
 the warm start from <out_dir>/warm_start to the weights an unstopped run reaches.
-Tests: .venv/bin/pytest tests/test_sft.py
+Tests: .venv/bin/pytest tests/test_sft.py tests/test_sft_resume.py (and the warm-start loop in tests/test_train.py)
 """
 from __future__ import annotations
 
