@@ -521,6 +521,7 @@ class ScriptedSampler:
 
     def __init__(self, model, cfg, dtype=None):
         self.model, self.synced, self.rounds, self.current, self.asked = model, [], 0, [], []
+        self.warm_up_s = 0.0  # PolicySampler's: seconds its first refresh spent capturing the decode step
         ScriptedSampler.made.append(self)
 
     def refresh(self, model):
