@@ -22,7 +22,7 @@ import env
 import reward
 import rollout
 from distributed import PeakMemory, all_sum
-from policy_sampler import PolicySampler
+from trainer.policy_sampler import PolicySampler
 
 
 def episode(traj, example: dict, db_root, final_sql: str | None = None) -> dict:

@@ -328,7 +328,7 @@ def cmd_generate(args) -> None:
     import dataset
     import distributed
     import malloc_tuning
-    from policy_sampler import PolicySampler
+    from trainer.policy_sampler import PolicySampler
     data = args.data or cfg.data.eval_path
     T = cfg.sampling.eval_temperature if args.temperature is None else args.temperature
     if args.n > 1 and T == 0:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import hf_folder
-import paged_attention
+from engine import paged_attention
 
 FAMILIES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 

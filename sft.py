@@ -27,7 +27,7 @@ import packing
 import rollout
 from distributed import all_sum, compute_dtype, each_micro_batch, shard
 from model import Transformer
-from policy_sampler import PolicySampler
+from trainer.policy_sampler import PolicySampler
 
 # -----------------------------------------------------------------------------
 # training

@@ -37,7 +37,7 @@ import tiny
 from distributed import (PeakMemory, all_gather_list, all_sum, close, compute_dtype, memory_estimate,
                          param_count, setup_dist, shard)
 from model import Transformer
-from policy_sampler import PolicySampler
+from trainer.policy_sampler import PolicySampler
 from policy_update import batch_logprobs, mini_batches, update
 from run_log import Log, Phases
 

@@ -26,7 +26,7 @@ import config as C  # noqa: E402
 import dataset  # noqa: E402
 import episodes  # noqa: E402
 from model import Transformer  # noqa: E402
-from policy_sampler import PolicySampler  # noqa: E402
+from trainer.policy_sampler import PolicySampler  # noqa: E402
 
 
 def main():

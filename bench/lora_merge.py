@@ -30,7 +30,7 @@ import tiny  # noqa: E402
 from bench.sampler import SHAPES  # noqa: E402
 from config import ModelConfig, SamplingConfig  # noqa: E402
 from model import Transformer  # noqa: E402
-from policy_sampler import PolicySampler  # noqa: E402
+from trainer.policy_sampler import PolicySampler  # noqa: E402
 from rollout import generate  # noqa: E402
 
 

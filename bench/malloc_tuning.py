@@ -44,7 +44,7 @@ def arm(tuned: bool, model_path: str, prompts: int, sft_steps: int) -> dict:
     import sft
     import tiny
     from model import Transformer
-    from policy_sampler import PolicySampler
+    from trainer.policy_sampler import PolicySampler
     cfg = C.load_config([os.path.join(ROOT, "configs", "tiny.yaml")])
     tiny.prepare_toy_set(cfg.data)
     path = model_path or cfg.model.path

@@ -32,7 +32,7 @@ import tiny  # noqa: E402
 from config import SamplingConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from model import Transformer  # noqa: E402
-from paged_attention import PagedBatch, PagedKVCache  # noqa: E402
+from engine.paged_attention import PagedBatch, PagedKVCache  # noqa: E402
 from sampler import SHAPES  # noqa: E402  (bench/sampler.py: the script's folder is on sys.path)
 from engine.sampling import StopChecker, row_key  # noqa: E402
 from engine.scheduler import Sequence  # noqa: E402

@@ -33,7 +33,7 @@ import tiny  # noqa: E402
 import policy_update  # noqa: E402
 import train  # noqa: E402
 from model import Transformer  # noqa: E402
-from policy_sampler import PolicySampler  # noqa: E402
+from trainer.policy_sampler import PolicySampler  # noqa: E402
 
 
 def main():

@@ -28,7 +28,7 @@ import dataset  # noqa: E402
 import tiny  # noqa: E402
 from distributed import compute_dtype  # noqa: E402
 from model import Transformer  # noqa: E402
-from policy_sampler import PolicySampler  # noqa: E402
+from trainer.policy_sampler import PolicySampler  # noqa: E402
 
 
 def turn_shapes(trajs) -> list[tuple[int, float, int]]:

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tiny  # noqa: E402
 from config import SamplingConfig  # noqa: E402
 from model import Transformer  # noqa: E402
-from paged_attention import PagedBatch, PagedKVCache  # noqa: E402
+from engine.paged_attention import PagedBatch, PagedKVCache  # noqa: E402
 from rollout import generate  # noqa: E402
 
 SHAPES = {

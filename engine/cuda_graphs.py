@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_attention import PagedBatch
+from engine.paged_attention import PagedBatch
 
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 

@@ -39,7 +39,7 @@ import distributed  # noqa: E402
 import lora  # noqa: E402
 import optim  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
-from policy_sampler import PolicySampler  # noqa: E402
+from trainer.policy_sampler import PolicySampler  # noqa: E402
 
 V, B, T = 37, 6, 11
 

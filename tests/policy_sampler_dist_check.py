@@ -19,7 +19,7 @@ import config as C  # noqa: E402
 import distributed  # noqa: E402
 import lora  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
-from policy_sampler import PolicySampler  # noqa: E402
+from trainer.policy_sampler import PolicySampler  # noqa: E402
 
 
 def build(with_lora: bool) -> Transformer:

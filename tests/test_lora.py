@@ -169,7 +169,7 @@ def test_sampler_gives_the_same_tokens_merged_or_not(folders):
     """The rollout path (KV cache, ragged prefill, decode): greedy tokens of the adapter forward and
     of the sampler's merged copy (PolicySampler.refresh, what training samples) agree."""
     from config import SamplingConfig
-    from policy_sampler import PolicySampler
+    from trainer.policy_sampler import PolicySampler
     from rollout import generate
     model = lora_model(folders["qwen2"]).eval()
     prompts = [ids(1, n, seed=n)[0].tolist() for n in (5, 9, 3)]
@@ -206,7 +206,7 @@ def test_merged_equals_adapter_forward_and_hf_export(folders, tmp_path):
     """The sampler's merged copy (PolicySampler.refresh) gives the adapter forward's logits and
     leaves the trained model bit for bit; so does a merged HF export, through transformers alone."""
     from config import SamplingConfig
-    from policy_sampler import PolicySampler
+    from trainer.policy_sampler import PolicySampler
     model = lora_model(folders["qwen3"]).eval()
     x = ids()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -25,7 +25,7 @@ import rollout
 import tiny
 from conftest import grpo_update
 from model import Transformer
-from policy_sampler import PolicySampler
+from trainer.policy_sampler import PolicySampler
 from test_train import assert_resumed_steps_learn_alike, learning_args, run_train
 
 PEFT_MISSING = "peft not installed (pip install peft: a test-only dependency, see requirements-dev.txt)"

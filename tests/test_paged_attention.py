@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import paged_attention as pa
+from engine import paged_attention as pa
 import tiny
 from config import DataConfig, EnvConfig, SamplingConfig
 from engine.engine import Engine

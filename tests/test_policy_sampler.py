@@ -20,7 +20,7 @@ import torch.distributed as dist
 import config as C
 import lora
 from conftest import ROOT, torchrun_env
-from policy_sampler import PolicySampler
+from trainer.policy_sampler import PolicySampler
 from rollout import rollout
 from test_rollout_share import DATA, db, example, tok_model  # noqa: F401  (fixtures)
 

@@ -16,7 +16,7 @@ from conftest import ROOT
 from config import DataConfig, EnvConfig, SamplingConfig
 from engine.block_manager import BlockManager
 from model import Transformer
-from paged_attention import PagedBatch, PagedKVCache
+from engine.paged_attention import PagedBatch, PagedKVCache
 from rollout import conversation_wrapper, generate, observation_ids, rollout
 from engine.sampling import StopChecker, mix_py, row_key, sample_next, uniforms
 
