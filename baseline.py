@@ -118,10 +118,11 @@ def run(examples: list[dict], cfg: C.Config, *, seed: int, samples: int = 1):
     """Random episodes scored like any rollout. Returns (summary, episodes, rewards); summary has
     ex, reward, format_err, turns, tool_calls (means over episodes) and n."""
     eps = random_episodes(examples, cfg.env, cfg.data.db_root, seed=seed, samples=samples)
-    rw = reward.episode_rewards(eps, cfg.reward, cfg.env.protocol)
+    rw = reward.episode_rewards([reward.Transcript(e["db_path"], e["gold_sql"], e["response"], e["final_sql"],
+                                                   e["finished"], e["steps"]) for e in eps], cfg.reward, cfg.env.protocol)
     n = max(len(eps), 1)
-    summary = {"ex": sum(float(r["exec_match"]) for r in rw) / n, "reward": sum(r["reward"] for r in rw) / n,
-               "format_err": sum(float(not r["format_ok"]) for r in rw) / n,
+    summary = {"ex": sum(float(r.exec_match) for r in rw) / n, "reward": sum(r.value for r in rw) / n,
+               "format_err": sum(float(not r.format_ok) for r in rw) / n,
                "turns": sum(e["num_turns"] for e in eps) / n, "tool_calls": sum(e["num_tool_calls"] for e in eps) / n,
                "n": len(eps)}
     return summary, eps, rw
@@ -170,7 +171,7 @@ def main(argv=None):
     seed = cfg.train.seed + 20_000 if args.seed is None else args.seed
     s, eps, rw = run(examples, cfg, seed=seed, samples=args.samples)
     for e, r, ex in list(zip(eps, rw, [x for x in examples for _ in range(args.samples)]))[:args.show]:
-        print(f"--- random episode (reward {r['reward']:+.2f}, exec {r['exec_match']}) Q: {ex['question']}\n"
+        print(f"--- random episode (reward {r.value:+.2f}, exec {r.exec_match}) Q: {ex['question']}\n"
               f"{e['response']}\n--- gold: {ex['gold_sql']}")
     print(f"random baseline on {path} ({len(examples)} questions x {args.samples}, protocol {cfg.env.protocol}, "
           f"seed {seed}): EX {100 * s['ex']:.1f}%  reward {s['reward']:.3f}  format-err "

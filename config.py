@@ -191,6 +191,11 @@ class GRPOConfig:
     max_resample_rounds: int = 3
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per rollout batch per epoch
+    # turn credit (grpo.token_advantages): > 0 adds a per-turn reward of this size to the first tool
+    # turn whose observation shows a value the gold answer needs (a quoted literal of the gold SQL
+    # the question does not spell out), credited to that turn and the turns before it; 0 = off (the
+    # episode's advantage on every token). README "Fork for an ablation" has the sweep against 0
+    lookup_bonus: float = 0.0
 
 
 @dataclass

@@ -93,6 +93,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "grpo.max_resample_rounds": (">= 0", ""),
     "grpo.ppo_epochs": (">= 1", ""),
     "grpo.mini_batches": (">= 1", ""),
+    "grpo.lookup_bonus": (">= 0", "a per-turn reward for a lookup that shows a value the answer needs"),
     "optim.lr": ("> 0", ""),
     "optim.weight_decay": (">= 0", ""),
     "optim.beta1": ("[0, 1)", ""),

@@ -198,11 +198,13 @@ def step_batch(db_paths: list, texts: list[str], turns_left: list[int], cfg: Env
 
 def step_record(step: StepResult) -> dict:
     """One env step as Trajectory.steps keeps it: what reward.py's dense shaping needs (actions
-    protocol) and first_query_bad's row count (any protocol)."""
+    protocol), first_query_bad's row count (any protocol) and the observation's text (the turn
+    credit of grpo.lookup_bonus reads it; "" when the step ended the episode)."""
     r = step.result
     return {"kind": step.action.kind, "arg": step.action.arg, "ok": bool(r and r.ok),
             "rows": list(r.rows) if (r and r.ok and step.action.kind == "query") else None,
-            "n_rows": len(r.rows) if (r and r.ok) else None}  # the error-recovery rate's
+            "n_rows": len(r.rows) if (r and r.ok) else None,  # the error-recovery rate's
+            "observation": step.observation}
 
 
 def first_query_bad(steps: list[dict]) -> bool:

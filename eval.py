@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -60,11 +61,65 @@ import sys
 import time
 from pathlib import Path
 
+import dataset
 import env
 import reward
 import runguard
 import sandbox
 import spider_score
+from distributed import all_sum
+from rollout import sample_episodes
+
+# -----------------------------------------------------------------------------
+# the held-out evaluation of a run (train.py, sft.py) and the summaries of episodes
+
+
+def summarise(episodes) -> dict:
+    """Per-rank sums over rollout.Episode records (reduce_summary all-reduces them into means):
+    count, reward, EX, format errors, turns, tool calls, response tokens."""
+    return {"n": len(episodes), "reward": sum(e.reward.value for e in episodes),
+            "ex": sum(float(e.reward.exec_match) for e in episodes),
+            "format_err": sum(float(not e.reward.format_ok) for e in episodes),
+            "turns": sum(e.trajectory.num_turns for e in episodes),
+            "tool_calls": sum(e.trajectory.num_tool_calls for e in episodes),
+            "resp_tokens": sum(int(sum(e.trajectory.loss_mask)) for e in episodes)}
+
+
+def reduce_summary(s: dict, device) -> dict:
+    keys = list(s)
+    tot = dict(zip(keys, all_sum([s[k] for k in keys], device)))
+    n = max(tot.pop("n"), 1)
+    return {k: v / n for k, v in tot.items()}
+
+
+def evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step: int, prefix="eval") -> dict:
+    """Held-out episodes split over ranks (greedy at sampling.eval_temperature 0) on the sampler's
+    current weights (its owner refreshes it: train.py after an optimizer step, sft.py before an
+    eval), their reduced metrics under `prefix/`, logged (log: run_log.Log) and printed on one
+    line; returns the metrics."""
+    mine = eval_ex[rank::world]
+    T = cfg.sampling.eval_temperature  # greedy at 0, else sampled at T (as eval.py generate does)
+    sampling = dataclasses.replace(cfg.sampling, temperature=T) if T > 0 else cfg.sampling
+    t0 = time.time()
+    episodes = sample_episodes(sampler, tok, mine, cfg, n=1, seed=cfg.train.seed + 10_000, greedy=T == 0,
+                               sampling=sampling)
+    seconds = time.time() - t0
+    m = reduce_summary(summarise(episodes), device)
+    m = {f"{prefix}/{k}": v for k, v in m.items()}
+    # error recovery (eval.py generate's rule): episodes whose first query failed or returned no
+    # rows, and of those the ones that still ended right; counts summed over ranks
+    bad = [env.first_query_bad(e.trajectory.steps) for e in episodes]
+    n_bad, n_rec = all_sum([sum(bad), sum(b and bool(e.reward.exec_match) for b, e in zip(bad, episodes))], device)
+    m.update({f"{prefix}/first_query_bad": n_bad, f"{prefix}/recovered": n_rec})
+    if n_bad:
+        m[f"{prefix}/recovery_rate"] = n_rec / n_bad
+    log.metrics(step, m)
+    log.print(f"[{prefix} @ step {step}] EX {100 * m[prefix + '/ex']:.1f}%  reward {m[prefix + '/reward']:.3f}  "
+              f"format-err {100 * m[prefix + '/format_err']:.1f}%  turns {m[prefix + '/turns']:.2f}  "
+              f"tool-calls {m[prefix + '/tool_calls']:.2f}  first query empty/failed {n_bad:.0f}, "
+              f"recovered {n_rec:.0f}  ({len(eval_ex)} examples, {seconds:.1f}s)")
+    return m
+
 
 # -----------------------------------------------------------------------------
 # score (spider_score.py)
@@ -108,7 +163,6 @@ def unusable_databases(recs: list[dict], db_root: str) -> dict[str, str]:
     """{db_id: what is wrong} for the databases present but not usable: an empty (0-byte) file, not
     a SQLite file, unreadable, no tables. Their examples would all score wrong for a reason that is
     no prediction's fault; `score` skips them and says why in its summary line."""
-    import dataset
     out = {}
     for db_id in sorted({r["db_id"] for r in recs if not r["skipped"]}):
         if problem := dataset.database_problem(os.path.join(db_root, db_id, db_id + ".sqlite")):
@@ -189,32 +243,33 @@ def turns_of(t, tokenizer) -> list[dict]:
 
 def generate_chunk(sampler, tok, exs: list[dict], first: int, cfg, n: int, seed: int, greedy: bool) -> list[dict]:
     """Episodes of exs (global indices first, first+1, ...) -> one record per episode, example-major.
-    Rollout then reward as training runs them (sampler.rollout, episodes.rewards), the answer
-    scored as its predictions.sql line. The seed depends on the chunk only, so any split over
-    ranks gives the same episodes."""
-    import dataset
-    import episodes
-    trajs = sampler.rollout(tok, exs, cfg.env, cfg.data, cfg.data.db_root, n=n, seed=seed, greedy=greedy)
-    reps = [ex for ex in exs for _ in range(n)]  # rollout is example-major too
-    lines = [one_line(t.final_sql) if t.finished else "" for t in trajs]
+    Rollout then reward as training runs them (rollout.sample_episodes), the answer scored as its
+    predictions.sql line. The seed depends on the chunk only, so any split over ranks gives the same
+    episodes."""
     spider = cfg.reward.mode == "spider"  # score the line as `score` will read it
-    answers = [spider_score.official_pred_text(line) if spider else line for line in lines]
-    rws = episodes.rewards(trajs, exs, tok, cfg, n=n, final_sqls=answers)
-    keys = [None] * len(trajs)
+
+    def answer(t) -> str:
+        line = one_line(t.final_sql) if t.finished else ""
+        return spider_score.official_pred_text(line) if spider else line
+    episodes = sample_episodes(sampler, tok, exs, cfg, n=n, seed=seed, greedy=greedy, answers=answer)
+    lines = [one_line(e.trajectory.final_sql) if e.trajectory.finished else "" for e in episodes]
+    answers = [answer(e.trajectory) for e in episodes]
+    keys = [None] * len(episodes)
     if n > 1:  # majority vote needs each answer's result
-        todo = [i for i, (r, a) in enumerate(zip(rws, answers)) if r["format_ok"] and a.strip()]
-        res = sandbox.run_sql_batch([(dataset.abs_db_path(reps[i], cfg.data.db_root), answers[i]) for i in todo],
-                                    timeout_s=cfg.reward.timeout_s, max_rows=reward.REWARD_MAX_ROWS)
+        todo = [i for i, (e, a) in enumerate(zip(episodes, answers)) if e.reward.format_ok and a.strip()]
+        res = sandbox.run_sql_batch([(dataset.abs_db_path(episodes[i].example, cfg.data.db_root), answers[i])
+                                     for i in todo], timeout_s=cfg.reward.timeout_s, max_rows=reward.REWARD_MAX_ROWS)
         for i, r in zip(todo, res):
             keys[i] = result_key(r.rows, cfg.reward.mode) if r.ok else None
     recs = []
-    for k, (t, ex, line, rw) in enumerate(zip(trajs, reps, lines, rws)):
-        ok = rw["format_ok"] and bool(line)
+    for k, (e, line) in enumerate(zip(episodes, lines)):
+        t, rw, ex = e.trajectory, e.reward, e.example
+        ok = rw.format_ok and bool(line)
         recs.append({"index": first + k // n, "sample": k % n, "id": ex["id"], "source": ex["source"],
                      "db_id": ex["db_id"], "question": ex["question"], "gold_sql": ex["gold_sql"],
-                     "prediction": line if ok else PLACEHOLDER, "reward": rw["reward"],
-                     "exec_match": bool(rw["exec_match"]), "format_ok": bool(rw["format_ok"]),
-                     "error": rw["error"] or None, "stop_reason": t.stop_reason, "finished": t.finished,
+                     "prediction": line if ok else PLACEHOLDER, "reward": rw.value,
+                     "exec_match": bool(rw.exec_match), "format_ok": bool(rw.format_ok),
+                     "error": rw.error or None, "stop_reason": t.stop_reason, "finished": t.finished,
                      "num_turns": t.num_turns, "num_tool_calls": t.num_tool_calls,
                      "response_tokens": int(sum(t.loss_mask)), "turns": turns_of(t, tok),
                      "first_query_bad": env.first_query_bad(t.steps), "_key": keys[k]})
@@ -321,11 +376,10 @@ def cmd_generate(args) -> None:
     # hub name and retried for ~50 s (read when huggingface_hub is first imported)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     t0 = time.time()
-    cfg, model_dir, source = generate_config(args)  # before torch is imported: a bad flag fails at once
+    cfg, model_dir, source = generate_config(args)  # before the model is loaded: a bad flag fails at once
     import torch
     from transformers import AutoTokenizer
 
-    import dataset
     import distributed
     import malloc_tuning
     from trainer.policy_sampler import PolicySampler

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import re
 import sys
+from dataclasses import dataclass, field
 
 import sandbox
 from config import RewardConfig
@@ -269,31 +270,49 @@ def dense_shaping(steps: list[dict], gold: list | None, cfg: RewardConfig) -> fl
     return total
 
 
-def episode_rewards(episodes: list[dict], cfg: RewardConfig, protocol: str = "tags",
-                    template_pieces: tuple[str, ...] = ()) -> list[dict]:
-    """episode: {db_path, gold_sql, response, final_sql, finished, steps} ->
-    {reward, exec_match, format_ok, error}. All predictions run in one pool call.
+@dataclass
+class Transcript:
+    """What the reward reads of one episode (rollout.transcript builds it from a trajectory)."""
+    db_path: str  # the example's database
+    gold_sql: str
+    response: str  # every turn and observation after the prompt, as text
+    final_sql: str  # the answer to execute ("" when none)
+    finished: bool  # the episode ended with an answer (a solution / ANSWER)
+    steps: list[dict] = field(default_factory=list)  # env.step_record of each env step (dense shaping reads them)
+
+
+@dataclass
+class Reward:
+    """One episode's reward: `value` is the scalar GRPO's advantages use; the rest explain it."""
+    value: float  # correct / wrong / format_error (or no_answer), plus the dense shaping when on
+    exec_match: bool  # the answer's result equals the gold's (reward.mode)
+    format_ok: bool  # tags: SkyRL's format rules hold; actions: an ANSWER within the budget
+    error: str = ""  # why not: the SQL error, the format rule broken, "" when right
+
+
+def episode_rewards(episodes: list[Transcript], cfg: RewardConfig, protocol: str = "tags",
+                    template_pieces: tuple[str, ...] = ()) -> list[Reward]:
+    """One Reward per transcript. All predictions run in one pool call.
     template_pieces: see format_ok (the conversation format's chat-template text)."""
-    fmts = [format_ok(e["response"], e["finished"], template_pieces) if protocol == "tags"
-            else (bool(e["finished"]), "" if e["finished"] else "no ANSWER before the step budget")
+    fmts = [format_ok(e.response, e.finished, template_pieces) if protocol == "tags"
+            else (bool(e.finished), "" if e.finished else "no ANSWER before the step budget")
             for e in episodes]
     # every gold runs (cached; dense shaping needs it even without an answer), a prediction only
     # when the format is fine
-    matches = match_batch([(e["db_path"], (e.get("final_sql") or "") if ok else "", e["gold_sql"])
+    matches = match_batch([(e.db_path, (e.final_sql or "") if ok else "", e.gold_sql)
                            for e, (ok, _) in zip(episodes, fmts)],
                           cfg.mode, timeout_s=cfg.timeout_s, keep_distinct=cfg.keep_distinct)
     out = []
     for e, (fmt_ok, why), (match, err) in zip(episodes, fmts, matches):
         err = err if fmt_ok else why
         if not fmt_ok:  # tags: malformed (format_error); actions: no ANSWER within the budget (no_answer)
-            reward = cfg.format_error if protocol == "tags" else cfg.no_answer
+            value = cfg.format_error if protocol == "tags" else cfg.no_answer
         else:
-            reward = cfg.correct if match else cfg.wrong
+            value = cfg.correct if match else cfg.wrong
         # an episode without an ANSWER gets no shaping under dense_needs_answer (see RewardConfig)
-        if protocol == "actions" and cfg.dense and (e["finished"] or not cfg.dense_needs_answer):
-            reward += dense_shaping(e.get("steps") or [],
-                                    gold_rows(e["db_path"], e["gold_sql"], cfg.mode, cfg.keep_distinct), cfg)
-        out.append({"reward": reward, "exec_match": match, "format_ok": fmt_ok, "error": err})
+        if protocol == "actions" and cfg.dense and (e.finished or not cfg.dense_needs_answer):
+            value += dense_shaping(e.steps or [], gold_rows(e.db_path, e.gold_sql, cfg.mode, cfg.keep_distinct), cfg)
+        out.append(Reward(value, match, fmt_ok, err))
     return out
 
 

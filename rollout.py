@@ -33,6 +33,7 @@ import dataset
 from engine.engine import Engine
 from engine.sampling import StopChecker, row_key
 from engine.scheduler import Sequence
+from reward import Reward, Transcript, episode_rewards
 
 
 @dataclass
@@ -77,6 +78,17 @@ class Trajectory:
     def done(self) -> None:
         """The engine is through with it: drop what only the engine needed (blocks, followers)."""
         self.seq.block_table, self.seq.followers = [], []
+
+    def token_turns(self) -> list[int]:
+        """The turn (0 = the first) of each loss token: positions j >= 1 with loss_mask[j] = 1, in
+        order (what packing scores). Every sampled token lies in its turn's span."""
+        out, k = [], 0
+        for j in range(1, len(self.ids)):
+            if self.loss_mask[j]:
+                while k + 1 < len(self.turn_spans) and j >= self.turn_spans[k + 1][0]:
+                    k += 1
+                out.append(k)
+        return out
 
 
 # -----------------------------------------------------------------------------
@@ -343,3 +355,44 @@ class ToolCalls:
         for _, trajs, future in due:
             out += zip(trajs, future.result())
         return out
+
+
+# -----------------------------------------------------------------------------
+# episodes: rollout then reward, one typed record each
+
+
+@dataclass
+class Episode:
+    """One episode as a step carries it from the rollout to the update (and the evals to their
+    summaries): its tokens, its reward, its dataset record and its group (the index of its
+    prompt in the rollout call: the n samples of a prompt share it, and advantages compare them)."""
+    trajectory: Trajectory
+    reward: Reward
+    example: dict
+    group: int
+
+
+def transcript(traj: Trajectory, example: dict, db_root, final_sql: str | None = None) -> Transcript:
+    """What reward.episode_rewards reads of one trajectory of one dataset record. final_sql: the
+    answer to execute, when the caller rewrote it (eval.py scores its one-line predictions)."""
+    return Transcript(dataset.abs_db_path(example, db_root), example["gold_sql"], traj.text,
+                      traj.final_sql if final_sql is None else final_sql, traj.finished, traj.steps)
+
+
+def sample_episodes(sampler, tokenizer, examples, cfg, *, n: int, seed: int, greedy: bool = False,
+                    sampling=None, answers=None, phase=None, first_group: int = 0) -> list[Episode]:
+    """Rollout then reward, the one path of training steps, evals, SFT's stop check and eval.py
+    generate: n episodes per example on the sampler's current weights (example-major: episode
+    i*n + j is sample j of example i, group first_group + i). sampler: trainer.policy_sampler's;
+    cfg: config.Config; sampling: the SamplingConfig to decode with (default cfg.sampling);
+    answers(trajectory) -> the SQL to score (default its final_sql); phase(name): a context manager
+    timing "rollout" and "reward" (run_log.Phases)."""
+    phase = phase or (lambda name: contextlib.nullcontext())
+    with phase("rollout"):
+        trajs = sampler.rollout(tokenizer, examples, cfg.env, cfg.data, cfg.data.db_root,
+                                sampling_cfg=sampling or cfg.sampling, n=n, seed=seed, greedy=greedy)
+    reps = [ex for ex in examples for _ in range(n)]
+    with phase("reward"):
+        scripts = [transcript(t, ex, cfg.data.db_root, answers(t) if answers else None) for t, ex in zip(trajs, reps)]
+        rewards = episode_rewards(scripts, cfg.reward, cfg.env.protocol, conversation_pieces(tokenizer, cfg.env))
+    return [Episode(t, r, ex, first_group + k // n) for k, (t, r, ex) in enumerate(zip(trajs, rewards, reps))]

@@ -45,6 +45,18 @@ class Log:
         if self.run is not None:
             self.run.log(m, step=step)
 
+    def samples(self, step: int, episodes: list, tokenizer, group_size: int, rows: int, show: int = 2):
+        """Rank 0's sampled episodes (rollout.Episode list): the first `show` printed in full with their
+        reward and the gold; up to `rows` (one per prompt) to samples.jsonl and the wandb table `samples`."""
+        if self.rank != 0:
+            return
+        for e in episodes[:show]:
+            t, r = e.trajectory, e.reward
+            self.print(f"--- sample (reward {r.value:+.2f}, exec {r.exec_match}, stop {t.stop_reason}, "
+                       f"turns {t.num_turns}, tool calls {t.num_tool_calls}) "
+                       f"Q: {e.example['question']}\n{t.text}\n--- gold: {e.example['gold_sql']}")
+        self.sample_log.write(step, episodes, tokenizer, group_size, rows)
+
     def sizes(self) -> dict:
         """Bytes written so far to metrics.jsonl and samples.jsonl (rank 0; {} elsewhere): a
         checkpoint keeps them, so a resume can drop what was logged after it."""

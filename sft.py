@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import checkpoint
 import dataset
-import episodes
+from eval import evaluate
 import gold
 import optim
 import packing
@@ -115,7 +115,7 @@ def stop_check_questions(train_ex: list[dict], s) -> tuple[list[dict], list[dict
 def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log) -> bool:
     """Warm start on gold trajectories (loss on model-side tokens only, token-mean over the batch).
     sampler: the model's PolicySampler, refreshed with the current weights before the evals
-    (sft.eval_every, episodes.evaluate) and the sft.stop_at_train_ex check; log: run_log.Log.
+    (sft.eval_every, eval.evaluate) and the sft.stop_at_train_ex check; log: run_log.Log.
     Returns whether the sampler holds the final weights (the run stopped right after a check)."""
     s = cfg.sft
     t0 = time.time()
@@ -155,10 +155,10 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
             sampler.refresh(model)  # weight sync: the evals sample this step's weights
             synced = True
         if run_eval:
-            episodes.evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, i + 1, prefix="sft/eval")
+            evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, i + 1, prefix="sft/eval")
         if run_check:
             # all-reduced: every rank sees the same EX and stops at the same step
-            m = episodes.evaluate(sampler, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")
+            m = evaluate(sampler, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")
             ex, recovery = m["sft/train/ex"], m.get("sft/train/recovery_rate", 1.0)  # absent: none failed
             near = s.stop_near_ex > 0 and ex >= s.stop_near_ex and s.stop_check_every_near > 0
             check_every = s.stop_check_every_near if near else s.stop_check_every

@@ -57,6 +57,7 @@ import padded  # noqa: E402  (bench/padded.py: the dense mask)
 import gold  # noqa: E402
 import sft  # noqa: E402
 import tiny  # noqa: E402
+import grpo  # noqa: E402
 import policy_update  # noqa: E402
 from distributed import all_sum, close, each_micro_batch, setup_dist, shard  # noqa: E402
 from model import Transformer  # noqa: E402
@@ -142,12 +143,11 @@ class Arm:
     def update(self, trajs, adv, world, device) -> tuple[float, dict]:
         packed_attention.for_rows = DenseRows if self.dense else FOR_ROWS
         t0 = time.perf_counter()
-        sums, grad_norms = {}, []  # the update as train.main runs it
-        logps = policy_update.batch_logprobs(self.model, None, trajs, self.cfg, device)
-        for idx in policy_update.mini_batches(len(trajs), self.cfg.grpo):
-            policy_update.update(self.model, trajs, idx, adv, logps, self.cfg, world, device, sums)
-            grad_norms.append(optim.step_optimizer(self.model, self.opt, self.sch, self.cfg.optim))
-        m = {k: v / max(w, 1e-9) for k, (v, w) in sums.items()}
+        per_token = [adv[i].expand(len(t.token_turns())).clone() for i, t in enumerate(trajs)]
+        m = policy_update.update_policy(self.model, None, self.opt, self.sch, trajs, per_token,  # as train.grpo_step
+                                        grpo.PolicyLoss(self.cfg.grpo, self.cfg.sampling.max_context), self.cfg,
+                                        world, device)
+        grad_norms = m.pop("grad_norms")
         return time.perf_counter() - t0, {**m, "grad_norm": grad_norms[-1]}
 
     def sft_steps(self, batches, world, device) -> tuple[float, list]:

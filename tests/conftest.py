@@ -43,20 +43,27 @@ def build_tiny_assets(d: Path) -> list[str]:
     return settings
 
 
-def grpo_update(model, ref_model, optimizer, scheduler, trajs, adv, cfg, world=1, device="cpu") -> dict:
-    """One GRPO update as train.main's loop runs it: policy_update.batch_logprobs once, then per mini-batch
-    (policy_update.mini_batches) policy_update.update and optim.step_optimizer. Returns the token-weighted loss
-    metrics, grad_norms (one per optimizer step) and skipped (1.0 if any step was skipped)."""
-    import math
-
-    import optim
+def loss_of(logp, old, adv, mask, *, ref_logp=None, rollout_logp=None, entropy=None, turns=None, **kw):
+    """grpo.policy_loss on loose (B, T) tensors, packed into the LossInputs the update builds.
+    adv: (B,) per sequence (expanded over its tokens) or (B, T) per token; kw: policy_loss's."""
     import torch
+
+    import grpo
+    from policy_update import LossInputs
+    adv = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv
+    turns = torch.zeros_like(mask, dtype=torch.long) if turns is None else turns
+    return grpo.policy_loss(LossInputs(logp, old, ref_logp, rollout_logp, mask, adv, turns, entropy), **kw)
+
+
+def grpo_update(model, ref_model, optimizer, scheduler, trajs, adv, cfg, world=1, device="cpu") -> dict:
+    """One GRPO update as train.grpo_step runs it (policy_update.update_policy with grpo.PolicyLoss),
+    on given trajectories and per-trajectory advantages adv (n,) (each spread over its loss tokens,
+    grpo.token_advantages' default credit). Returns update_policy's metrics."""
+    import torch
+
+    import grpo
     import policy_update
-    device = torch.device(device)
-    sums, grad_norms = {}, []
-    logps = policy_update.batch_logprobs(model, ref_model, trajs, cfg, device)
-    for idx in policy_update.mini_batches(len(trajs), cfg.grpo):
-        policy_update.update(model, trajs, idx, adv, logps, cfg, world, device, sums)
-        grad_norms.append(optim.step_optimizer(model, optimizer, scheduler, cfg.optim))
-    out = {k: v / max(w, 1e-9) for k, (v, w) in sums.items()}
-    return {**out, "grad_norms": grad_norms, "skipped": float(not all(math.isfinite(g) for g in grad_norms))}
+    per_token = [adv[i].expand(len(t.token_turns())).clone() for i, t in enumerate(trajs)]
+    return policy_update.update_policy(model, ref_model, optimizer, scheduler, trajs, per_token,
+                                       grpo.PolicyLoss(cfg.grpo, cfg.sampling.max_context), cfg, world,
+                                       torch.device(device))

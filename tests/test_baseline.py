@@ -74,7 +74,7 @@ def test_scored_like_any_episode(toy):
     for e in eps:
         pred, gold = rows(e["db_path"], e["final_sql"]), rows(e["db_path"], e["gold_sql"])
         mine.append(pred is not None and frozenset(pred) == frozenset(gold))
-    assert [r["exec_match"] for r in rw] == mine
+    assert [r.exec_match for r in rw] == mine
     assert s["ex"] == pytest.approx(sum(mine) / len(mine))
     assert s["reward"] == pytest.approx(sum(mine) / len(mine))  # tags: correct 1, wrong 0, format always ok
     assert s["format_err"] == 0.0 and s["n"] == 3 * len(exs)
@@ -92,8 +92,8 @@ def test_actions_protocol_and_dense_reward(toy):
     assert all(st["ok"] for e in eps for st in e["steps"][:-1])  # random actions name real tables/columns
     for e, r in zip(eps, rw):  # terminal + sql_env's shaping over the recorded steps
         gold = reward.gold_rows(e["db_path"], e["gold_sql"])
-        assert r["reward"] == pytest.approx(float(r["exec_match"]) + reward.dense_shaping(e["steps"], gold, cfg.reward))
-    assert any(r["reward"] != float(r["exec_match"]) for r in rw)
+        assert r.value == pytest.approx(float(r.exec_match) + reward.dense_shaping(e["steps"], gold, cfg.reward))
+    assert any(r.value != float(r.exec_match) for r in rw)
 
 
 def test_seeded(toy):

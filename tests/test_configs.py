@@ -122,12 +122,11 @@ def test_config_warm_start_writes_well_formed_episodes_in_its_protocol(path, ass
     dbs = [dataset.abs_db_path(r, cfg.data.db_root) for r in recs]
     prompts = [rollout.render_prompt(tok, r, cfg.data, cfg.env.protocol, cfg.data.db_root) for r in recs]
     eps = gold.gold_episodes(recs, prompts, tok, cfg, dbs)
-    scores = reward.episode_rewards([{"db_path": d, "gold_sql": r["gold_sql"], "response": e.text,
-                                      "final_sql": e.final_sql, "finished": e.finished, "steps": e.steps}
+    scores = reward.episode_rewards([reward.Transcript(d, r["gold_sql"], e.text, e.final_sql, e.finished, e.steps)
                                      for d, r, e in zip(dbs, recs, eps)],
                                     cfg.reward, cfg.env.protocol, rollout.conversation_pieces(tok, cfg.env))
     for r, e, s in zip(recs, eps, scores):
-        assert s["format_ok"] and s["exec_match"] and s["reward"] >= cfg.reward.correct, (path.name, s, e.text)
+        assert s.format_ok and s.exec_match and s.value >= cfg.reward.correct, (path.name, s, e.text)
         if r["lookup_sql"] and rollout_turns(cfg) > 1:  # the lookup's observation shows the code
             assert any(st["arg"] == r["lookup_sql"] for st in e.steps), (path.name, e.text)
 

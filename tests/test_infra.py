@@ -11,7 +11,8 @@ import torch
 
 import config as C
 import dataset
-import episodes
+import eval as eval_
+import rollout
 import gold
 import reward
 import sandbox
@@ -107,12 +108,12 @@ def test_fit_prompts_drops_long_ones_and_those_leaving_no_room():
     assert [e["id"] for e in kept] == ["0", "1", "2", "3"] and dropped == 1
 
 
-def test_episode_uses_the_one_db_path_resolution(tmp_path):
+def test_transcript_uses_the_one_db_path_resolution(tmp_path):
     ex = {"db_path": "database/a/a.sqlite", "gold_sql": "SELECT 1"}
     t = types.SimpleNamespace(text="r", final_sql="SELECT 2", finished=True, steps=[])
-    e = episodes.episode(t, ex, tmp_path)
-    assert e["db_path"] == dataset.abs_db_path(ex, tmp_path) == str((tmp_path / "database/a/a.sqlite").resolve())
-    assert e["final_sql"] == "SELECT 2" and episodes.episode(t, ex, tmp_path, "SELECT 3")["final_sql"] == "SELECT 3"
+    e = rollout.transcript(t, ex, tmp_path)
+    assert e.db_path == dataset.abs_db_path(ex, tmp_path) == str((tmp_path / "database/a/a.sqlite").resolve())
+    assert e.final_sql == "SELECT 2" and rollout.transcript(t, ex, tmp_path, "SELECT 3").final_sql == "SELECT 3"
     assert dataset.abs_db_path({**ex, "db_file": "/x/y.sqlite"}, tmp_path) == "/x/y.sqlite"
 
 
@@ -124,14 +125,14 @@ def test_episode_uses_the_one_db_path_resolution(tmp_path):
 def test_train_eval_decodes_at_sampling_eval_temperature(T, monkeypatch):
     seen = {}
 
-    def fake_run_episodes(sampler, tok, exs, cfg, *, n, seed, greedy, sampling=None, mem=None):
+    def fake_sample_episodes(sampler, tok, exs, cfg, *, n, seed, greedy=False, sampling=None, **kw):
         seen.update(greedy=greedy, temperature=(sampling or cfg.sampling).temperature)
-        return [], [], 0.0, 0.0
+        return []
 
-    monkeypatch.setattr(episodes, "run_episodes", fake_run_episodes)
+    monkeypatch.setattr(eval_, "sample_episodes", fake_sample_episodes)
     cfg = C.load_config([f"--sampling.eval_temperature={T}", "--sampling.temperature=0.6"])
     log = types.SimpleNamespace(metrics=lambda *a: None, print=lambda *a: None)
-    episodes.evaluate(None, None, [], cfg, 0, 1, torch.device("cpu"), log, 0)
+    eval_.evaluate(None, None, [], cfg, 0, 1, torch.device("cpu"), log, 0)
     assert seen == ({"greedy": True, "temperature": 0.6} if T == 0 else {"greedy": False, "temperature": 0.8})
     assert cfg.sampling.temperature == 0.6  # the training temperature is untouched
 

@@ -97,7 +97,7 @@ def test_engine_does_not_import_the_trainer():
     """engine/ is the sampler: it may use the model, its attention and the tool, never the trainer
     (train, grpo, the update, SFT, checkpoints, FSDP) nor the bridge that wraps it."""
     trainer = {"train", "grpo", "policy_update", "sft", "checkpoint", "distributed", "optim", "trainer.policy_sampler",
-               "packing", "lora", "episodes", "eval"}
+               "packing", "lora", "eval"}
     graph = import_graph()
     for name, deps in graph.items():
         if name.startswith("engine."):

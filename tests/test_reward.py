@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import config as C
 import reward
 from config import RewardConfig
+from reward import Transcript
 
 
 def reference_spider_eq(gold, pred, order_matters):
@@ -272,37 +273,37 @@ def small_db(tmp_path_factory):
 
 def test_episode_rewards_tags_and_actions(small_db):
     good = "<think>t</think><solution>SELECT a FROM t</solution>"
-    eps = [dict(db_path=small_db, gold_sql="SELECT a FROM t", response=good, final_sql="SELECT a FROM t", finished=True),
-           dict(db_path=small_db, gold_sql="SELECT a FROM t", response=good, final_sql="SELECT b FROM t", finished=True),
-           dict(db_path=small_db, gold_sql="SELECT a FROM t", response="<solution>SELECT a FROM t</solution>",
+    eps = [Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response=good, final_sql="SELECT a FROM t", finished=True),
+           Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response=good, final_sql="SELECT b FROM t", finished=True),
+           Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response="<solution>SELECT a FROM t</solution>",
                 final_sql="SELECT a FROM t", finished=True),
-           dict(db_path=small_db, gold_sql="SELECT a FROM t", response="<think>t</think>", final_sql="", finished=False),
-           dict(db_path=small_db, gold_sql="SELECT a FROM t", response=good, final_sql="SELECT nope FROM t", finished=True)]
+           Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response="<think>t</think>", final_sql="", finished=False),
+           Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response=good, final_sql="SELECT nope FROM t", finished=True)]
     out = reward.episode_rewards(eps, RewardConfig())
-    assert [o["reward"] for o in out] == [1.0, 0.0, -1.0, -1.0, 0.0]
-    assert [o["format_ok"] for o in out] == [True, True, False, False, True]
-    assert "no such column" in out[4]["error"]
+    assert [o.value for o in out] == [1.0, 0.0, -1.0, -1.0, 0.0]
+    assert [o.format_ok for o in out] == [True, True, False, False, True]
+    assert "no such column" in out[4].error
     cfg = RewardConfig(correct=2.0, wrong=-0.5, format_error=-3.0, mode="bag")
-    assert [o["reward"] for o in reward.episode_rewards(eps, cfg)] == [2.0, -0.5, -3.0, -3.0, -0.5]
+    assert [o.value for o in reward.episode_rewards(eps, cfg)] == [2.0, -0.5, -3.0, -3.0, -0.5]
     steps = [{"kind": "query", "arg": "SELECT a FROM t", "ok": True, "rows": [(1,), (2,)]}]
-    act = [dict(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="SELECT a FROM t",
+    act = [Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="SELECT a FROM t",
                 finished=True, steps=steps),
-           dict(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="", finished=False, steps=steps)]
+           Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="", finished=False, steps=steps)]
     plain = reward.episode_rewards(act, RewardConfig(), protocol="actions")
-    assert [o["reward"] for o in plain] == [1.0, 0.0]  # no format penalty in sql_env
+    assert [o.value for o in plain] == [1.0, 0.0]  # no format penalty in sql_env
     shaped = -0.005 + 0.02 + 0.01 + 0.15
     # default: the shaping only when the episode ends with an ANSWER; the one without gets nothing
     dense = reward.episode_rewards(act, RewardConfig(dense=True), protocol="actions")
-    assert [o["reward"] for o in dense] == pytest.approx([1.0 + shaped, 0.0])
+    assert [o.value for o in dense] == pytest.approx([1.0 + shaped, 0.0])
     # sql_env's rule: the shaping in every episode
     every = reward.episode_rewards(act, RewardConfig(dense=True, dense_needs_answer=False), protocol="actions")
-    assert [o["reward"] for o in every] == pytest.approx([1.0 + shaped, shaped])
+    assert [o.value for o in every] == pytest.approx([1.0 + shaped, shaped])
     # reward.no_answer: an episode without an ANSWER scores it (plus the shaping under sql_env's rule)
     penalised = reward.episode_rewards(act, RewardConfig(no_answer=-1.0), protocol="actions")
-    assert [o["reward"] for o in penalised] == [1.0, -1.0]
+    assert [o.value for o in penalised] == [1.0, -1.0]
     every = reward.episode_rewards(act, RewardConfig(dense=True, dense_needs_answer=False, no_answer=-1.0),
                                    protocol="actions")
-    assert [o["reward"] for o in every] == pytest.approx([1.0 + shaped, -1.0 + shaped])
+    assert [o.value for o in every] == pytest.approx([1.0 + shaped, -1.0 + shaped])
 
 
 def test_dense_needs_answer_ranks_a_wrong_answer_above_no_answer(small_db):
@@ -310,23 +311,23 @@ def test_dense_needs_answer_ranks_a_wrong_answer_above_no_answer(small_db):
     wrong ANSWER. sql_env's rule pays the first 5 x 0.025 = 0.125 and the second 0.025; with
     dense_needs_answer the first gets 0.0."""
     desc = [{"kind": "describe", "arg": f"t{i}", "ok": True, "rows": None} for i in range(5)]
-    no_answer = dict(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="",
+    no_answer = Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="",
                      finished=False, steps=desc)
-    wrong = dict(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="SELECT b FROM t",
+    wrong = Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="SELECT b FROM t",
                  finished=True, steps=desc[:1] + [{"kind": "answer", "arg": "SELECT b FROM t", "ok": True, "rows": None}])
     sql_env = reward.episode_rewards([no_answer, wrong], RewardConfig(dense=True, dense_needs_answer=False),
                                      protocol="actions")
-    assert [o["reward"] for o in sql_env] == pytest.approx([0.125, 0.025])
+    assert [o.value for o in sql_env] == pytest.approx([0.125, 0.025])
     gated = reward.episode_rewards([no_answer, wrong], RewardConfig(dense=True), protocol="actions")
-    assert [o["reward"] for o in gated] == pytest.approx([0.0, 0.025])
+    assert [o.value for o in gated] == pytest.approx([0.0, 0.025])
 
 
 def test_empty_solution_scores_wrong_even_when_gold_is_empty(small_db):
     """A deliberate difference from SkyRL (which runs "" and compares two empty results: +1)."""
     good = "<think>t</think><solution></solution>"
-    ep = dict(db_path=small_db, gold_sql="SELECT a FROM t WHERE a > 9", response=good, final_sql="", finished=True)
+    ep = Transcript(db_path=small_db, gold_sql="SELECT a FROM t WHERE a > 9", response=good, final_sql="", finished=True)
     out = reward.episode_rewards([ep], RewardConfig())[0]
-    assert (out["reward"], out["format_ok"], out["error"]) == (0.0, True, "empty prediction")
+    assert (out.value, out.format_ok, out.error) == (0.0, True, "empty prediction")
 
 
 def test_execution_match_errors_and_timeout(small_db):

@@ -245,10 +245,9 @@ def test_gold_trajectories_follow_the_format_and_score_one(toy):
             assert code in tail[tail.index("<observation>"):tail.index("</observation>")]
         assert not re.search(r"</observation>(?!\s*<think>)", text), text  # SkyRL: think after each
         assert reward.format_ok(text, True) == (True, "")
-        episodes.append({"db_path": r["db_file"], "gold_sql": r["gold_sql"], "response": text,
-                         "final_sql": env.parse_turn(text).arg, "finished": True, "steps": []})
+        episodes.append(reward.Transcript(r["db_file"], r["gold_sql"], text, env.parse_turn(text).arg, True))
     scores = reward.episode_rewards(episodes, cfg.reward)
-    assert [s["reward"] for s in scores] == [1.0] * len(recs), [s for s in scores if s["reward"] != 1.0][:3]
+    assert [s.value for s in scores] == [1.0] * len(recs), [s for s in scores if s.value != 1.0][:3]
     assert sum(bool(r["lookup_sql"]) for r in recs) >= 150 and sum(bool(r["first_lookup_sql"]) for r in recs) >= 100
 
 

@@ -16,7 +16,6 @@ import torch
 import checkpoint
 import config as C
 import distributed
-import episodes
 import gold
 import optim
 import rollout
@@ -112,7 +111,7 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
         return {f"{prefix}/ex": curve[step]}
     real_step = optim.step_optimizer
     monkeypatch.setattr(optim, "step_optimizer", lambda *a: steps.append(1) or real_step(*a))
-    monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
+    monkeypatch.setattr(sft, "evaluate", fake_evaluate)
     log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
     model = Transformer.from_pretrained(path)
     sampler = CountingSampler()
@@ -161,7 +160,7 @@ def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, monkeypatch,
         checks.append(step)
         ex, recovery = curve[step]
         return {f"{prefix}/ex": ex, **({f"{prefix}/recovery_rate": recovery} if recovery is not None else {})}
-    monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
+    monkeypatch.setattr(sft, "evaluate", fake_evaluate)
     log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
     sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
                 torch.device("cpu"), log)
@@ -194,7 +193,7 @@ def test_sft_checks_finer_near_the_threshold(tmp_path, tiny_model, monkeypatch, 
     def fake_evaluate(sampler, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
         seen.append(step)
         return {f"{prefix}/ex": curve[step]}
-    monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
+    monkeypatch.setattr(sft, "evaluate", fake_evaluate)
     log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
     sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
                 torch.device("cpu"), log)
@@ -239,7 +238,7 @@ def test_stop_check_unseen_on_a_small_training_set_uses_trained_questions(tmp_pa
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=40)
     assert len({ex["db_id"] for ex in train_ex}) < sft.UNSEEN_MIN_DATABASES
     probes = []
-    monkeypatch.setattr(episodes, "evaluate", lambda sampler, tok, exs, *a, prefix="eval", **k:
+    monkeypatch.setattr(sft, "evaluate", lambda sampler, tok, exs, *a, prefix="eval", **k:
                         probes.append([ex["id"] for ex in exs]) or {f"{prefix}/ex": 0.0})
     log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
     printed = []
