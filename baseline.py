@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 
 import config as C
-import dataset
+from sqltask import dataset
 import env
-import prompts
+from sqltask import prompts
 import reward
 
 AGGREGATES = ("COUNT", "MIN", "MAX", "AVG", "SUM")
@@ -161,7 +161,7 @@ def main(argv=None):
     path = cfg.data.eval_path if args.split == "eval" else cfg.data.train_path
     if cfg.data.prepare_toy and not Path(cfg.data.train_path).exists():
         sys.path.insert(0, str(Path(__file__).parent / "data"))
-        from prepare_toy import prepare_toy
+        from toy.prepare_toy import prepare_toy
         prepare_toy(cfg.data.db_root, seed=cfg.data.toy_seed)
     limit = cfg.data.max_eval_examples if args.split == "eval" else cfg.data.max_train_examples
     try:

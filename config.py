@@ -486,7 +486,7 @@ def dump(cfg: Config) -> str:
 
 if __name__ == "__main__":
     import config  # the module config_checks raises from (this file runs as __main__)
-    import config_checks  # value ranges and consistency (world size 1)
+    from trainer import config_checks  # value ranges and consistency (world size 1)
     try:
         c = config_checks.validate(config.load_config())
     except config.ConfigError as e:

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sandbox import SqlResult, run_sql, run_sql_batch  # noqa: F401 (re-exported: the tool's API in one place)
+from sqltask.sandbox import SqlResult, run_sql, run_sql_batch  # noqa: F401 (re-exported: the tool's API in one place)
 
 if TYPE_CHECKING:  # keep the import light (config pulls in yaml)
     from config import EnvConfig

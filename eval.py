@@ -61,13 +61,13 @@ import sys
 import time
 from pathlib import Path
 
-import dataset
+from sqltask import dataset
 import env
 import reward
-import runguard
-import sandbox
-import spider_score
-from distributed import all_sum
+from trainer import runguard
+from sqltask import sandbox
+from sqltask import spider_score
+from trainer.distributed import all_sum
 from rollout import sample_episodes
 
 # -----------------------------------------------------------------------------
@@ -345,7 +345,7 @@ def generate_config(args):
     import yaml
 
     import config as C
-    import config_checks
+    from trainer import config_checks
     model_dir, ckpt_config = resolve_model(args.model)
     base, source = None, args.config or "the defaults (no --config, --model is no checkpoint)"
     if not args.config and ckpt_config:
@@ -380,8 +380,8 @@ def cmd_generate(args) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    import distributed
-    import malloc_tuning
+    from trainer import distributed
+    from trainer import malloc_tuning
     from trainer.policy_sampler import PolicySampler
     data = args.data or cfg.data.eval_path
     T = cfg.sampling.eval_temperature if args.temperature is None else args.temperature

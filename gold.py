@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import config as C
 import env
 import rollout
-import sandbox
+from sqltask import sandbox
 
 # -----------------------------------------------------------------------------
 # the gold episode's turns (text only)

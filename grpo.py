@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from distributed import all_gather_list
-from policy_update import LossInputs
-from rollout_correction import RolloutIS, is_weights, mismatch_metrics, seq_mean
+from trainer.distributed import all_gather_list
+from trainer.policy_update import LossInputs
+from trainer.rollout_correction import RolloutIS, is_weights, mismatch_metrics, seq_mean
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo")
 

@@ -20,7 +20,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-import sandbox
+from sqltask import sandbox
 from config import RewardConfig
 
 REWARD_MAX_ROWS = 1_000_000  # fetch (almost) everything; the sandbox's byte cap still bounds memory

@@ -29,7 +29,7 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-import dataset
+from sqltask import dataset
 from engine.engine import Engine
 from engine.sampling import StopChecker, row_key
 from engine.scheduler import Sequence
@@ -97,7 +97,7 @@ class Trajectory:
 
 def render_prompt(tokenizer, example: dict, data_cfg, protocol: str, db_root) -> list[int]:
     """Prompt ids of one example: its chat messages rendered with the generation prompt."""
-    import prompts as prompt_lib
+    from sqltask import prompts as prompt_lib
     msgs = prompt_lib.build_messages(example, db_root, data_cfg, protocol=protocol)
     text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)

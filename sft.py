@@ -18,14 +18,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import dataset
+from trainer import checkpoint
+from sqltask import dataset
 from eval import evaluate
 import gold
-import optim
-import packing
+from trainer import optim
+from trainer import packing
 import rollout
-from distributed import all_sum, compute_dtype, each_micro_batch, shard
+from trainer.distributed import all_sum, compute_dtype, each_micro_batch, shard
 from model import Transformer
 from trainer.policy_sampler import PolicySampler
 

@@ -98,7 +98,7 @@ def argv_of(overrides: dict) -> list[str]:
 def validate(config_path: str, points, fixed: dict):
     """Raise config.ConfigError (config.py's and config_checks.py's messages: a bad key, a value out
     of range, keys that disagree) for any point before anything runs (each point is one process)."""
-    import config_checks
+    from trainer import config_checks
     for name, over in points:
         try:
             config_checks.validate(C.load_config([config_path, *argv_of({**fixed, **over})]), world=1)
@@ -140,7 +140,7 @@ def run_one(config_path: str, run_dir: Path, argv: list[str]) -> float:
 
 def run_sweep(config_path: str, points, seeds: list[int], fixed: dict, out: Path, jobs: int, threads: int):
     """Build the shared assets once (toy data, tiny model), then every (point, seed) not finished."""
-    import tiny  # the asset builder; imported here so the report path needs no model code
+    from toy import tiny  # the asset builder; imported here so the report path needs no model code
     base = C.load_config([config_path, *argv_of(fixed)])
     tiny.prepare_assets(base)  # once, before the jobs: concurrent runs would race to build them
     todo = []

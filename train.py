@@ -21,26 +21,26 @@ import torch
 import torch.distributed as dist
 
 import baseline
-import checkpoint
+from trainer import checkpoint
 import config as C
-import config_checks
-import dataset
+from trainer import config_checks
+from sqltask import dataset
 import grpo
-import lora
-import malloc_tuning
-import optim
+from trainer import lora
+from trainer import malloc_tuning
+from trainer import optim
 import plot
 import rollout
-import runguard
+from trainer import runguard
 import sft
-import tiny
-from distributed import (PeakMemory, all_gather_list, all_sum, close, compute_dtype, memory_estimate, param_count,
+from toy import tiny
+from trainer.distributed import (PeakMemory, all_gather_list, all_sum, close, compute_dtype, memory_estimate, param_count,
                          setup_dist, shard)
 from eval import evaluate, reduce_summary, summarise
 from model import Transformer
-from policy_update import update_policy
+from trainer.policy_update import update_policy
 from rollout import Episode, sample_episodes
-from run_log import Log, Phases
+from trainer.run_log import Log, Phases
 from trainer.policy_sampler import PolicySampler
 
 # -----------------------------------------------------------------------------

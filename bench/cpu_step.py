@@ -49,17 +49,17 @@ from torch.utils.checkpoint import checkpoint
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import config as C  # noqa: E402
-import dataset  # noqa: E402
-import optim  # noqa: E402
-import packed_attention  # noqa: E402
-import packing  # noqa: E402
+from sqltask import dataset  # noqa: E402
+from trainer import optim  # noqa: E402
+from trainer import packed_attention  # noqa: E402
+from trainer import packing  # noqa: E402
 import padded  # noqa: E402  (bench/padded.py: the dense mask)
 import gold  # noqa: E402
 import sft  # noqa: E402
-import tiny  # noqa: E402
+from toy import tiny  # noqa: E402
 import grpo  # noqa: E402
-import policy_update  # noqa: E402
-from distributed import all_sum, close, each_micro_batch, setup_dist, shard  # noqa: E402
+from trainer import policy_update  # noqa: E402
+from trainer.distributed import all_sum, close, each_micro_batch, setup_dist, shard  # noqa: E402
 from model import Transformer  # noqa: E402
 import rollout  # noqa: E402
 from rollout import Trajectory  # noqa: E402

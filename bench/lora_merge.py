@@ -25,8 +25,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import lora  # noqa: E402
-import tiny  # noqa: E402
+from trainer import lora  # noqa: E402
+from toy import tiny  # noqa: E402
 from bench.sampler import SHAPES  # noqa: E402
 from config import ModelConfig, SamplingConfig  # noqa: E402
 from model import Transformer  # noqa: E402

@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 
 def arm(tuned: bool, model_path: str, prompts: int, sft_steps: int) -> dict:
     """One process's measurement (run in a fresh interpreter by main)."""
-    import malloc_tuning
+    from trainer import malloc_tuning
     if tuned and not malloc_tuning.keep_freed_memory():
         raise SystemExit("mallopt is unavailable here (not glibc): nothing to compare")
     import torch
@@ -36,12 +36,12 @@ def arm(tuned: bool, model_path: str, prompts: int, sft_steps: int) -> dict:
     from transformers import AutoTokenizer
 
     import config as C
-    import dataset
+    from sqltask import dataset
     import gold
-    import optim
+    from trainer import optim
     import rollout
     import sft
-    import tiny
+    from toy import tiny
     from model import Transformer
     from rollout import sample_episodes
     from trainer.policy_sampler import PolicySampler

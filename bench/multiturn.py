@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import tiny  # noqa: E402
+from toy import tiny  # noqa: E402
 from config import SamplingConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from model import Transformer  # noqa: E402

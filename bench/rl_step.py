@@ -26,14 +26,14 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import config as C  # noqa: E402
-import dataset  # noqa: E402
-import optim  # noqa: E402
-import tiny  # noqa: E402
+from sqltask import dataset  # noqa: E402
+from trainer import optim  # noqa: E402
+from toy import tiny  # noqa: E402
 import train  # noqa: E402
-from distributed import PeakMemory  # noqa: E402
+from trainer.distributed import PeakMemory  # noqa: E402
 from eval import summarise  # noqa: E402
 from model import Transformer  # noqa: E402
-from run_log import Log, Phases  # noqa: E402
+from trainer.run_log import Log, Phases  # noqa: E402
 from trainer.policy_sampler import PolicySampler  # noqa: E402
 
 

@@ -41,9 +41,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config as C  # noqa: E402
-import dataset  # noqa: E402
+from sqltask import dataset  # noqa: E402
 import rollout as rollout_module  # noqa: E402
-import tiny  # noqa: E402
+from toy import tiny  # noqa: E402
 from model import Transformer  # noqa: E402
 from sampler import SHAPES  # noqa: E402  (bench/sampler.py: the script's folder is on sys.path)
 

@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config as C  # noqa: E402
-import dataset  # noqa: E402
-import tiny  # noqa: E402
-from distributed import compute_dtype  # noqa: E402
+from sqltask import dataset  # noqa: E402
+from toy import tiny  # noqa: E402
+from trainer.distributed import compute_dtype  # noqa: E402
 from model import Transformer  # noqa: E402
 from trainer.policy_sampler import PolicySampler  # noqa: E402
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import tiny  # noqa: E402
+from toy import tiny  # noqa: E402
 from config import SamplingConfig  # noqa: E402
 from model import Transformer  # noqa: E402
 from engine.paged_attention import PagedBatch, PagedKVCache  # noqa: E402

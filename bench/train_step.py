@@ -32,12 +32,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import config as C  # noqa: E402
-import tiny  # noqa: E402
-import distributed  # noqa: E402
+from toy import tiny  # noqa: E402
+from trainer import distributed  # noqa: E402
 import grpo  # noqa: E402
-import packing  # noqa: E402
-import optim  # noqa: E402
-import policy_update  # noqa: E402
+from trainer import packing  # noqa: E402
+from trainer import optim  # noqa: E402
+from trainer import policy_update  # noqa: E402
 from padded import pack, token_logprobs  # noqa: E402  (this folder: the padded reference)
 from model import Transformer  # noqa: E402
 from rollout import Trajectory  # noqa: E402

@@ -48,12 +48,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
 import config as C  # noqa: E402
-import distributed  # noqa: E402
+from trainer import distributed  # noqa: E402
 import grpo  # noqa: E402
-import optim  # noqa: E402
-import packed_attention  # noqa: E402
-import packing  # noqa: E402
-import policy_update  # noqa: E402
+from trainer import optim  # noqa: E402
+from trainer import packed_attention  # noqa: E402
+from trainer import packing  # noqa: E402
+from trainer import policy_update  # noqa: E402
 from long_microbatch import PEAK_BF16_FLOPS, SHAPES  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from rollout import Trajectory  # noqa: E402

@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: dataset.py
-from dataset import make_record, run_golds, write_jsonl  # noqa: E402
+from sqltask.dataset import make_record, run_golds, write_jsonl  # noqa: E402
 
 
 def find_split(src: Path, split: str) -> tuple[Path, Path] | None:

@@ -26,7 +26,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: dataset.py
-from dataset import make_record, run_golds, write_jsonl  # noqa: E402
+from sqltask.dataset import make_record, run_golds, write_jsonl  # noqa: E402
 
 DB_SUBDIRS = ["databases", "database", "train_databases", "train/train_databases", "dev_databases",
               "dev/dev_databases", "test_database", "."]

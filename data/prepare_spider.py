@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: dataset.py
-from dataset import make_record, run_gold, write_jsonl  # noqa: E402
+from sqltask.dataset import make_record, run_gold, write_jsonl  # noqa: E402
 
 VARIANTS = ("realistic", "syn", "dk")
 

@@ -18,8 +18,8 @@ def pytest_sessionfinish(session, exitstatus):
     for the session. Close it before pytest exits: a gloo worker thread still letting go of a
     collective's tensors while the interpreter shuts down aborts the process, and pytest's exit
     status with it (distributed.close waits for it)."""
-    if "distributed" in sys.modules:
-        sys.modules["distributed"].close()
+    if "trainer.distributed" in sys.modules:
+        sys.modules["trainer.distributed"].close()
 
 
 def torchrun_env(**extra: str) -> dict:
@@ -33,7 +33,7 @@ def build_tiny_assets(d: Path) -> list[str]:
     """The toy set and a tiny model under d, built as a run builds them (tiny.prepare_assets).
     Returns the `group.key=value` settings that point a config at them (model.path is 5th)."""
     import config as C
-    import tiny
+    from toy import tiny
     settings = [f"data.train_path={d}/toy/train.jsonl", f"data.eval_path={d}/toy/eval.jsonl",
                 f"data.db_root={d}/toy", "data.prepare_toy=true", f"model.path={d}/model",
                 "model.build_tiny=true", "model.tiny_hidden_size=32", "model.tiny_layers=1",
@@ -49,7 +49,7 @@ def loss_of(logp, old, adv, mask, *, ref_logp=None, rollout_logp=None, entropy=N
     import torch
 
     import grpo
-    from policy_update import LossInputs
+    from trainer.policy_update import LossInputs
     adv = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv
     turns = torch.zeros_like(mask, dtype=torch.long) if turns is None else turns
     return grpo.policy_loss(LossInputs(logp, old, ref_logp, rollout_logp, mask, adv, turns, entropy), **kw)
@@ -62,7 +62,7 @@ def grpo_update(model, ref_model, optimizer, scheduler, trajs, adv, cfg, world=1
     import torch
 
     import grpo
-    import policy_update
+    from trainer import policy_update
     per_token = [adv[i].expand(len(t.token_turns())).clone() for i, t in enumerate(trajs)]
     return policy_update.update_policy(model, ref_model, optimizer, scheduler, trajs, per_token,
                                        grpo.PolicyLoss(cfg.grpo, cfg.sampling.max_context), cfg, world,

@@ -22,10 +22,10 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import distributed  # noqa: E402
+from trainer import distributed  # noqa: E402
 from conftest import loss_of  # noqa: E402
 from grpo import AGGS, global_norm  # noqa: E402
-from rollout_correction import RolloutIS  # noqa: E402
+from trainer.rollout_correction import RolloutIS  # noqa: E402
 
 # (loss, aggregation, rollout correction): every aggregation for grpo, and each other variant
 # with a sequence-level or token-level correction (the sampler's logprobs are noise off old's)

@@ -12,15 +12,14 @@ from conftest import ROOT
 
 import baseline
 import config as C
-import dataset
+from sqltask import dataset
 import reward
 
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     d = tmp_path_factory.mktemp("toy")
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from toy.prepare_toy import prepare_toy
     prepare_toy(str(d), seed=0)
     return str(d), dataset.load_examples(str(d / "eval.jsonl"), str(d), limit=60)
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import config as C
-import config_checks
+from trainer import config_checks
 from conftest import ROOT
 
 
@@ -111,7 +111,7 @@ def test_a_yaml_syntax_error_is_one_line_with_its_place(tmp_path):
 
 
 def test_model_folder_checks(tmp_path):
-    import tiny
+    from toy import tiny
     good = tmp_path / "good"
     tiny.build_tiny(str(good), vocab_size=300, hidden_size=16, layers=1, heads=2, kv_heads=1)
     config_checks.check_model_folder(str(good))

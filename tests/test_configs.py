@@ -17,7 +17,7 @@ import yaml
 from conftest import ROOT, build_tiny_assets
 
 import config as C
-import tiny
+from toy import tiny
 import train
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -111,7 +111,7 @@ def test_config_warm_start_writes_well_formed_episodes_in_its_protocol(path, ass
     reward (dense shaping included), with the lookup whenever the recipe has a turn for it."""
     from transformers import AutoTokenizer
 
-    import dataset
+    from sqltask import dataset
     import gold
     import reward
     import rollout

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3
 
 import config as C
 import rollout
-import tiny
+from toy import tiny
 from model import Transformer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu.sh runs it)")

@@ -5,7 +5,7 @@ import sqlite3
 import pytest
 
 import config as C
-from dataset import (FIELDS, DatasetError, abs_db_path, database_problem, drop_failing_golds, gold_failures,
+from sqltask.dataset import (FIELDS, DatasetError, abs_db_path, database_problem, drop_failing_golds, gold_failures,
                      load_examples, make_record, read_jsonl, run_gold, write_jsonl)
 
 

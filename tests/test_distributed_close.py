@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
 import torch, torch.distributed as dist
-import distributed
+from trainer import distributed
 distributed.setup_dist(60)
 t = torch.ones(3)
 dist.all_reduce(t)

@@ -18,7 +18,7 @@ import torch
 
 import env
 import rollout as rollout_module
-import tiny
+from toy import tiny
 from config import DataConfig, EnvConfig, SamplingConfig
 from model import Transformer
 from rollout import conversation_wrapper, eos_ids, generate, render_prompt, rollout

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import env
-import sandbox
+from sqltask import sandbox
 from config import EnvConfig
 
 T = 1.0  # tool timeout used in these tests

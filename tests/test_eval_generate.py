@@ -22,16 +22,15 @@ import torch.distributed as dist
 from conftest import ROOT, torchrun_env
 
 import config as C
-import dataset
+from sqltask import dataset
 import eval as ev
-import runguard
-import spider_score
+from trainer import runguard
+from sqltask import spider_score
 import rollout
-import tiny
+from toy import tiny
 from rollout import Trajectory
 
-sys.path.insert(0, str(ROOT / "data"))
-from prepare_toy import prepare_toy  # noqa: E402
+from toy.prepare_toy import prepare_toy  # noqa: E402
 
 LIMIT = 6
 YAML = """data:

@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import HAVE_SPIDER, ROOT, SPIDER, SPIDER_MISSING
 
-import spider_score
+from sqltask import spider_score
 
 PREDS = SPIDER.parent / "spider_preds"
 HAVE_PREDS = HAVE_SPIDER and (PREDS / "c3sql_gpt35.verdicts.jsonl").exists()

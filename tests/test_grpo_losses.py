@@ -12,7 +12,7 @@ import torch
 from conftest import loss_of
 from grpo import AGGS, DEFAULT_CLIP, LOSSES, clip_range, global_norm, loss_kwargs, policy_loss
 from config import GRPOConfig
-from rollout_correction import KINDS, RolloutIS
+from trainer.rollout_correction import KINDS, RolloutIS
 
 L = math.log
 CLIP = dict(clip_low=0.2, clip_high=0.2)

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import config as C
-import dataset
+from sqltask import dataset
 import eval as eval_
 import rollout
 import gold
 import reward
-import sandbox
-import tiny
+from sqltask import sandbox
+from toy import tiny
 from conftest import ROOT
 
 

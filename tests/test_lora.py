@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 import config as C
-import distributed
-import lora
+from trainer import distributed
+from trainer import lora
 from conftest import ROOT, torchrun_env
 from model import ModelArgs, Transformer
 

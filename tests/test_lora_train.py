@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
+from trainer import checkpoint
 import config as C
-import distributed
+from trainer import distributed
 import grpo
-import lora
-import optim
-import packing
+from trainer import lora
+from trainer import optim
+from trainer import packing
 import rollout
-import tiny
+from toy import tiny
 from conftest import grpo_update
 from model import Transformer
 from trainer.policy_sampler import PolicySampler

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import packed_attention
-import packing
-from packed_attention import segment_rows
+from trainer import packed_attention
+from trainer import packing
+from trainer.packed_attention import segment_rows
 from test_packing import V, make_model, make_trajs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))

@@ -16,7 +16,7 @@ import torch
 
 import config as C
 import grpo
-import packing
+from trainer import packing
 from conftest import grpo_update, loss_of
 from model import ModelArgs, Transformer
 from rollout import Trajectory

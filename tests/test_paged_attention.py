@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine import paged_attention as pa
-import tiny
+from toy import tiny
 from config import DataConfig, EnvConfig, SamplingConfig
 from engine.engine import Engine
 from rollout import generate, rollout

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import config as C
-import lora
+from trainer import lora
 from conftest import ROOT, torchrun_env
 from trainer.policy_sampler import PolicySampler
 from rollout import rollout

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-import distributed
+from trainer import distributed
 from model import ModelArgs, Transformer
 
 

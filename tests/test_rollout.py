@@ -10,8 +10,8 @@ import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 import env
-import prompts
-import tiny
+from sqltask import prompts
+from toy import tiny
 from conftest import ROOT
 from config import DataConfig, EnvConfig, SamplingConfig
 from engine.block_manager import BlockManager

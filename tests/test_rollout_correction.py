@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import loss_of
-from rollout_correction import RolloutIS, is_weights, mismatch_metrics
+from trainer.rollout_correction import RolloutIS, is_weights, mismatch_metrics
 
 L = math.log
 

@@ -20,7 +20,7 @@ import torch
 import env
 import rollout as rollout_module
 from engine import scheduler as scheduler_module
-import tiny
+from toy import tiny
 from engine.block_manager import BlockManager
 from config import DataConfig, EnvConfig, SamplingConfig
 from rollout import ToolCalls, render_prompt, rollout

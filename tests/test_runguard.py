@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import config as C
-import dataset
-import runguard
+from sqltask import dataset
+from trainer import runguard
 from conftest import ROOT, build_tiny_assets, torchrun_env
 from test_train import read_metrics, run_train, small_args
 

@@ -16,8 +16,8 @@ from conftest import ROOT, build_tiny_assets
 
 import config as C
 import eval as eval_
-import run_log
-import samples
+from trainer import run_log
+from trainer import sample_log
 from reward import Reward
 from rollout import Episode
 
@@ -54,10 +54,10 @@ def test_samples_jsonl_and_offline_wandb_table_hold_the_same_episodes(tmp_path):
                     key=lambda f: int(f.name.split("_")[1]))  # samples_<step>_<hash>.table.json
     assert len(tables) == 2, list((out_dir / "wandb").rglob("*"))
     last = json.loads(tables[-1].read_text())
-    assert last["columns"] == samples.COLUMNS
+    assert last["columns"] == sample_log.COLUMNS
     assert [[d[0], d[1], d[3], d[4], d[5], d[6]] for d in last["data"]] == \
         [[r["step"], r["question"], r["solution"], r["reward"], r["exec_match"], r["gold"]] for r in rows]
-    assert [d[2] for d in last["data"]] == [samples.turns_text(r["turns"]) for r in rows]
+    assert [d[2] for d in last["data"]] == [sample_log.turns_text(r["turns"]) for r in rows]
 
 
 def _episode(first_rows, right):

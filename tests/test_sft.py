@@ -11,7 +11,7 @@ import torch
 from conftest import build_tiny_assets
 
 import config as C
-import dataset
+from sqltask import dataset
 import reward
 import rollout
 import gold

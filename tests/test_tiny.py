@@ -12,7 +12,8 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import tiny
+from conftest import ROOT
+from toy import tiny
 from model import Transformer
 
 TEXTS = [
@@ -97,9 +98,9 @@ def test_cli_with_jsonl_corpus(tmp_path):
                                             "gold_sql": f"SELECT COUNT(*) FROM table_{i}"})
                                 for i in range(50)))
     out = tmp_path / "m"
-    subprocess.run([sys.executable, "tiny.py", "--out", str(out), "--corpus", str(corpus),
+    subprocess.run([sys.executable, "-m", "toy.tiny", "--out", str(out), "--corpus", str(corpus),
                     "--family", "llama", "--vocab-size", "400", "--hidden-size", "32"],
-                   check=True, cwd=tiny.__file__.rsplit("/", 1)[0], capture_output=True)
+                   check=True, cwd=ROOT, capture_output=True)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["hidden_size"] == 32
     tok = AutoTokenizer.from_pretrained(out)
@@ -112,9 +113,8 @@ def test_an_older_toy_set_and_its_tiny_model_are_built_again(tmp_path):
     toy_version stamp and builds both again; a current pair is left alone."""
     import os
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "data"))
     from conftest import build_tiny_assets
-    from prepare_toy import TOY_VERSION
+    from toy.prepare_toy import TOY_VERSION
     build_tiny_assets(tmp_path)
     train, weights = tmp_path / "toy" / "train.jsonl", tmp_path / "model" / "model.safetensors"
     assert (tmp_path / "toy" / "toy_version").read_text().strip() == str(TOY_VERSION)

@@ -14,12 +14,11 @@ from collections import Counter
 import pytest
 
 from conftest import ROOT
-from dataset import load_examples
+from sqltask.dataset import load_examples
 
-sys.path.insert(0, str(ROOT / "data"))
-from prepare_toy import (CODE, EVAL_DBS_PER_FAMILY, TEMPLATES, TOOL_TEMPLATES, TRAIN_DBS_PER_FAMILY,  # noqa: E402
+from toy.prepare_toy import (CODE, EVAL_DBS_PER_FAMILY, TEMPLATES, TOOL_TEMPLATES, TRAIN_DBS_PER_FAMILY,  # noqa: E402
                          prepare_toy, wildcard_right, wildcard_shares)
-from toy_schemas import FAMILIES, code_prefix  # noqa: E402
+from toy.schemas import FAMILIES, code_prefix  # noqa: E402
 
 N_DBS = len(FAMILIES) * (TRAIN_DBS_PER_FAMILY + EVAL_DBS_PER_FAMILY)
 
@@ -42,7 +41,7 @@ def _files(d):
 def test_same_seed_byte_identical_and_other_seed_differs(toy, tmp_path):
     out, _ = toy
     # the CLI, a second time: same bytes for the jsonl files *and* the sqlite files
-    subprocess.run([sys.executable, str(ROOT / "data/prepare_toy.py"), "--out", str(tmp_path / "a")],
+    subprocess.run([sys.executable, "-m", "toy.prepare_toy", "--out", str(tmp_path / "a")], cwd=ROOT,
                    check=True, capture_output=True)
     a, b = _files(out), _files(tmp_path / "a")
     assert a.keys() == b.keys() and len(a) == N_DBS + 3  # + train, eval, toy_version
@@ -214,7 +213,7 @@ def test_gold_trajectories_follow_the_format_and_score_one(toy):
     import gold
     import reward
     import rollout
-    import tiny
+    from toy import tiny
     from transformers import AutoTokenizer
     out, _ = toy
     tok_dir = out.parent / (out.name + "_tok")

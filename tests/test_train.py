@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
+from trainer import checkpoint
 import config as C
-import distributed
+from trainer import distributed
 import gold
-import optim
+from trainer import optim
 import rollout
-import run_log
+from trainer import run_log
 import sft
-import tiny
+from toy import tiny
 import train
 from conftest import ROOT, grpo_update, torchrun_env
 from model import Transformer
@@ -72,10 +72,9 @@ def test_grpo_update_raises_reward_on_trivial_task(tiny_model):
 
 def test_sft_gold_trajectory_masks_model_side(tmp_path, tiny_model):
     path, tok = tiny_model
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from toy.prepare_toy import prepare_toy
     prepare_toy(str(tmp_path), seed=0)
-    import dataset
+    from sqltask import dataset
     ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=1)[0]
     for conv in ("single", "conversation"):
         cfg = C.load_config([f"--env.conversation={conv}", "--data.prompt_template=compact"])
@@ -95,10 +94,9 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
     """sft.stop_at_train_ex: the warm start checks training EX every stop_check_every steps and
     ends at the first check at or above the threshold; 0 turns the check off; sft.steps caps it."""
     path, tok = tiny_model
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from toy.prepare_toy import prepare_toy
     prepare_toy(str(tmp_path), seed=0)
-    import dataset
+    from sqltask import dataset
     cfg = C.load_config([f"--sft.stop_at_train_ex={threshold}", "--sft.stop_check_every=10", "--sft.steps=40",
                          "--sft.batch_size=4", "--data.prompt_template=compact", f"--data.db_root={tmp_path}",
                          "--wandb.mode=disabled", "--train.threads=1"])
@@ -145,10 +143,9 @@ def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, monkeypatch,
     """sft.stop_at_train_recovery: the stop also needs the check's recovery rate (first query
     empty or failed, episode still right) at or above it; sft.stop_check_from: the first check."""
     path, tok = tiny_model
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from toy.prepare_toy import prepare_toy
     prepare_toy(str(tmp_path), seed=0)
-    import dataset
+    from sqltask import dataset
     cfg = C.load_config(["--sft.stop_at_train_ex=0.4", "--sft.stop_at_train_recovery=0.25", "--sft.steps=40",
                          f"--sft.stop_check_from={check_from}",
                          "--sft.stop_check_every=10", "--sft.batch_size=4", "--data.prompt_template=compact",
@@ -178,10 +175,9 @@ def test_sft_checks_finer_near_the_threshold(tmp_path, tiny_model, monkeypatch, 
     the warm start checks every stop_check_every_near steps, so it stops soon after the climb
     crosses stop_at_train_ex instead of at the next coarse check far above it."""
     path, tok = tiny_model
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from toy.prepare_toy import prepare_toy
     prepare_toy(str(tmp_path), seed=0)
-    import dataset
+    from sqltask import dataset
     cfg = C.load_config(["--sft.stop_at_train_ex=0.5", "--sft.stop_check_every=10", "--sft.steps=40",
                          f"--sft.stop_near_ex={near}", f"--sft.stop_check_every_near={every_near}",
                          "--sft.batch_size=4", "--data.prompt_template=compact", f"--data.db_root={tmp_path}",
@@ -227,10 +223,9 @@ def test_stop_check_unseen_on_a_small_training_set_uses_trained_questions(tmp_pa
     cannot leave ~8 databases out: the warm start says so in one line and checks trained questions
     (it raised a ValueError on every rank before)."""
     path, tok = tiny_model
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from toy.prepare_toy import prepare_toy
     prepare_toy(str(tmp_path), seed=0)
-    import dataset
+    from sqltask import dataset
     cfg = C.load_config(["--sft.stop_at_train_ex=0.4", "--sft.stop_check_unseen=true", "--sft.steps=10",
                          "--sft.stop_check_every=5", "--sft.stop_check_questions=8", "--sft.batch_size=4",
                          "--data.prompt_template=compact", f"--data.db_root={tmp_path}", "--wandb.mode=disabled",
@@ -253,10 +248,9 @@ def test_sft_loss_runs_in_training_mode(tmp_path, tiny_model, monkeypatch):
     """The warm start's loss forwards run in training mode (dropout on), and the model comes back
     in the mode it had (from_pretrained: eval, what rollouts and scoring use)."""
     path, tok = tiny_model
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from toy.prepare_toy import prepare_toy
     prepare_toy(str(tmp_path), seed=0)
-    import dataset
+    from sqltask import dataset
     cfg = C.load_config(["--sft.steps=2", "--sft.batch_size=4", "--data.prompt_template=compact",
                          f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1"])
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=16)
@@ -368,7 +362,7 @@ def test_a_checkpoint_of_another_vocabulary_is_not_resumed(tmp_path, tiny_model)
     on a new tokenizer corpus (tiny.CORPUS_VERSION) under an unchanged config: the config check
     passes, so the vocabulary is checked on its own. Resuming would put the old weights' rows
     under other tokens."""
-    import checkpoint
+    from trainer import checkpoint
     from transformers import AutoTokenizer
     path, tok = tiny_model
     other_dir = tmp_path / "other_tok"
@@ -467,9 +461,8 @@ def test_load_splits_reports_both_files_at_once_and_skips_failing_golds(tmp_path
     """Data problems of both splits (a malformed line, a 0-byte database) in one error before the
     warm start; a gold that fails on its database is skipped and named; every gold failing is an
     error (the issue: a run whose golds all failed trained to the end, reward never 1)."""
-    import dataset
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from sqltask import dataset
+    from toy.prepare_toy import prepare_toy
     toy = tmp_path / "toy"
     prepare_toy(str(toy), seed=0)
     _, tok = tiny_model

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-import lora
+from trainer import lora
 import rollout
-from distributed import fsdp_modules
+from trainer.distributed import fsdp_modules
 from engine.engine import Engine
 from engine.sampling import StopChecker
 from model import Transformer

@@ -34,7 +34,7 @@ import weakref
 from pathlib import Path
 
 import config as C
-import dataset
+from sqltask import dataset
 
 REPORT_WAIT_S = 20.0  # a rank > 0 with a user error waits this long for rank 0 to report it
 LOCK_NAME = "run.lock"

@@ -10,7 +10,7 @@ carry one adapter pair per part (q, k, v; gate, up), and the parts' outputs are 
 along the output like the fused weight's rows. That is exactly PEFT's LoRA on the separate HF
 modules, so an adapter saved here loads into `peft.PeftModel` on the HF model (and back).
 
-    import lora
+    from trainer import lora
     model = Transformer.from_pretrained(path)
     lora.apply(model, cfg.model)                 # cfg.model.lora_rank > 0; only adapters train
     lora.save_adapter(model, "ckpt/adapter", base_path=path)   # adapter_config.json + safetensors
@@ -314,7 +314,7 @@ def load_adapter(model, folder):
 
 def main(argv=None):
     """Print the per-device memory of a config's LoRA run next to its full fine-tune."""
-    import distributed
+    from trainer import distributed
     from model import ModelArgs, Transformer
     argv = list(sys.argv[1:] if argv is None else argv)
     worlds = [int(a.split("=", 1)[1]) for a in argv if a.startswith("--world=")] or [1, 2, 4, 8]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-import packed_attention
+from trainer import packed_attention
 
 
 # -----------------------------------------------------------------------------

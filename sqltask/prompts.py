@@ -329,7 +329,7 @@ def schema_ddl(db_file, sample_values=0, max_tokens=None, count_tokens=None) -> 
 
 def build_prompt(example: dict, db_root, cfg, protocol: str = "tags", count_tokens=None):
     """(messages, info) for one canonical record. cfg: config.DataConfig. info: schema_text's."""
-    import dataset
+    from sqltask import dataset
     db_file = dataset.abs_db_path(example, db_root)
     evidence = (example.get("evidence") or "").strip()
     q = example["question"]

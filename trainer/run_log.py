@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import config as C
-import samples
-from distributed import PeakMemory
+from trainer import sample_log
+from trainer.distributed import PeakMemory
 
 class Log:
     """Rank-0 prints, <out_dir>/metrics.jsonl and wandb (online/offline/disabled)."""
@@ -31,7 +31,7 @@ class Log:
             import wandb
             self.run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or None, mode=cfg.wandb.mode,
                                   config=C.to_dict(cfg), dir=cfg.train.out_dir)
-        self.sample_log = samples.SampleLog(cfg.train.out_dir, self.run)  # samples.jsonl (+ wandb table)
+        self.sample_log = sample_log.SampleLog(cfg.train.out_dir, self.run)  # samples.jsonl (+ wandb table)
 
     def print(self, *a):
         if self.rank == 0:

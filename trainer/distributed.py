@@ -5,7 +5,7 @@ One code path on every world size: without torchrun, setup_dist() builds a one-r
 in-process, and the model is always FSDP2-sharded (fp32 masters, model.dtype compute, fp32 grad
 reduce). CPU uses gloo, CUDA nccl (FSDP2 works on CPU; FSDP1 does not).
 
-    from distributed import close, compute_dtype, setup_dist, shard
+    from trainer.distributed import close, compute_dtype, setup_dist, shard
     rank, world, device = setup_dist(cfg.train.dist_timeout_s)   # torchrun or plain python
     model = shard(fp32_model, compute_dtype(cfg), cfg.model.fsdp_unit)  # FSDP2 units: model.fsdp_unit
     ...

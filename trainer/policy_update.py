@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-import optim
-import packing
-from distributed import each_micro_batch
+from trainer import optim
+from trainer import packing
+from trainer.distributed import each_micro_batch
 
 
 @dataclass

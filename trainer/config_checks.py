@@ -7,7 +7,7 @@ sampling.temperature -1: the sampler goes greedy while the trainer scores logits
 it loads a model; the error names every bad key at once, one line each. check_model_folder checks
 model.path (or eval.py's --model): config.json, a tokenizer, a chat template.
 
-    import config_checks
+    from trainer import config_checks
     config_checks.validate(cfg, world=2)       # raises config.ConfigError listing every problem
     python config.py configs/tiny.yaml         # prints the resolved config, checked (world 1)
 

@@ -189,9 +189,7 @@ def build_tiny(out_dir, texts=None, vocab_size: int = 1024, **model_kw) -> str:
 def prepare_toy_set(data_cfg) -> bool:
     """Build the toy set at data_cfg.db_root when data.prepare_toy asks and it is absent or from an
     older prepare_toy.py (its toy_version stamp). Returns whether it was built now."""
-    import sys
-    sys.path.insert(0, str(Path(__file__).parent / "data"))
-    from prepare_toy import TOY_VERSION, prepare_toy
+    from toy.prepare_toy import TOY_VERSION, prepare_toy
     if not data_cfg.prepare_toy:
         return False
     toy_stamp = Path(data_cfg.db_root) / "toy_version"
@@ -228,7 +226,7 @@ def prepare_assets(cfg):
     # whose records say source "toy", a model folder carrying the toy_version stamp build_tiny
     # writes. A checkpoint's hf/ folder has no stamp and is never touched (its weights are a run's).
     rebuilt = prepare_toy_set(cfg.data)
-    from prepare_toy import TOY_VERSION  # data/ is on sys.path once prepare_toy_set ran
+    from toy.prepare_toy import TOY_VERSION
     model_stamp = Path(cfg.model.path) / "toy_version"
     if cfg.data.prepare_toy and cfg.model.build_tiny and (Path(cfg.model.path) / "config.json").exists():
         if model_stamp.exists() and (rebuilt or model_stamp.read_text().strip() != tiny_stamp(TOY_VERSION)):
@@ -268,7 +266,7 @@ def shape_differences(m) -> list[str]:
 
 
 def _is_toy_set(train_path) -> bool:
-    """Whether a records file was written by data/prepare_toy.py (its first record's source)."""
+    """Whether a records file was written by toy/prepare_toy.py (its first record's source)."""
     import json
     with open(train_path) as fh:
         first = fh.readline()
@@ -283,8 +281,8 @@ def tokenizer_corpus(cfg) -> list[str]:
     the warm start's gold turns with their observations. Without them the tags protocol's reminder
     ('<reminder>You have 2 turns left to complete the task.</reminder>') cost 30 tokens and the
     observations 107k of the toy warm start's 327k tokens; trained on them: 14, and 56k of 277k."""
-    import dataset
-    import prompts
+    from sqltask import dataset
+    from sqltask import prompts
     import gold
     exs = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
     # the warm start's own turns and observations (the reminder; DESCRIBE's tables in the actions protocol)

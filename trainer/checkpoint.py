@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 import config as C
-import lora
+from trainer import lora
 
 
 def _rank() -> int:
@@ -171,7 +171,7 @@ def load(path: str, model, optimizer, scheduler) -> dict:
         else:
             for f in sorted((Path(path) / "hf").glob("*.safetensors")):
                 sd.update(load_file(str(f)))
-            import hf_folder
+            from trainer import hf_folder
             sd = hf_folder.from_hf(sd, model.config)  # HF names -> ours (fused qkv / gate-up)
             if model.config.tie_word_embeddings:
                 sd["lm_head.weight"] = sd["embed_tokens.weight"]
