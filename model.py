@@ -322,12 +322,17 @@ class Transformer(nn.Module):
         return lp, ent
 
     # -------------------------------------------------------------------------
-    # HF folders (hf_folder.py)
+    # HF folders (trainer/hf_folder.py)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict) -> "Transformer":
+        """The model (uninitialised: on the current device, meta when loading) of an HF config.json's dict."""
+        return cls(ModelArgs.from_hf(hf))
 
     @classmethod
     def from_pretrained(cls, path, dtype=None, device=None) -> "Transformer":
         """The model of a local HF folder (config.json + safetensors); dtype: default the folder's."""
-        return hf_folder.load(path, lambda hf: cls(ModelArgs.from_hf(hf)), dtype, device)
+        return hf_folder.load(path, cls.from_hf_config, dtype, device)
 
     def save_pretrained(self, path, state_dict=None, max_shard_bytes: int = 4 << 30):
         """Write an HF folder that transformers loads; state_dict: a full one (FSDP2), default ours."""

@@ -140,9 +140,11 @@ def run_one(config_path: str, run_dir: Path, argv: list[str]) -> float:
 
 def run_sweep(config_path: str, points, seeds: list[int], fixed: dict, out: Path, jobs: int, threads: int):
     """Build the shared assets once (toy data, tiny model), then every (point, seed) not finished."""
-    from toy import tiny  # the asset builder; imported here so the report path needs no model code
+    import sft  # the asset builder and what it needs; imported here so the report path needs no model code
+    from model import Transformer
+    from toy import tiny
     base = C.load_config([config_path, *argv_of(fixed)])
-    tiny.prepare_assets(base)  # once, before the jobs: concurrent runs would race to build them
+    tiny.prepare_assets(base, Transformer, sft.gold_texts)  # once, before the jobs: concurrent runs would race to build them
     todo = []
     for name, over in points:
         for s in seeds:

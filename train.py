@@ -20,28 +20,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import baseline
-from trainer import checkpoint
 import config as C
-from trainer import config_checks
-from sqltask import dataset
 import grpo
-from trainer import lora
-from trainer import malloc_tuning
-from trainer import optim
 import plot
-import rollout
-from trainer import runguard
 import sft
-from toy import tiny
-from trainer.distributed import (PeakMemory, all_gather_list, all_sum, close, compute_dtype, memory_estimate, param_count,
-                         setup_dist, shard)
-from eval import evaluate, reduce_summary, summarise
+from eval import evaluate, reduce_summary, report_random_floor, summarise
 from model import Transformer
-from trainer.policy_update import update_policy
 from rollout import Episode, sample_episodes
-from trainer.run_log import Log, Phases
+from sqltask import chat, dataset
+from toy import tiny
+from trainer import checkpoint, config_checks, lora, malloc_tuning, optim, runguard
+from trainer.distributed import (PeakMemory, all_sum, close, compute_dtype, map_shared, memory_estimate, param_count,
+                                 setup_dist, shard)
 from trainer.policy_sampler import PolicySampler
+from trainer.policy_update import update_policy
+from trainer.run_log import Log, Phases
 
 # -----------------------------------------------------------------------------
 # data and prompts
@@ -61,12 +54,8 @@ def load_splits(tok, cfg: C.Config, log: Log, rank: int, world: int) -> tuple[li
             problems.append(str(e))
     if problems:
         raise dataset.DatasetError("\n".join(problems))
-    both = splits["train"] + splits["eval"]
-    mine = list(range(rank, len(both), world))
-    errors = [""] * len(both)
-    for i, err in all_gather_list([(i, e) for i, e in zip(mine, dataset.gold_failures([both[i] for i in mine], cfg.reward))
-                                   if e]):
-        errors[i] = err
+    errors = map_shared(lambda exs: dataset.gold_failures(exs, cfg.reward), splits["train"] + splits["eval"], rank,
+                        world)  # each rank runs a share of the golds
     n_train = len(splits["train"])
     out = []
     for name, path, exs, errs in (("train", d.train_path, splits["train"], errors[:n_train]),
@@ -74,7 +63,7 @@ def load_splits(tok, cfg: C.Config, log: Log, rank: int, world: int) -> tuple[li
         exs, note = dataset.drop_failing_golds(exs, errs, name)
         if note:
             log.print(f"WARNING: {note}")
-        lengths = [len(rollout.render_prompt(tok, ex, d, cfg.env.protocol, d.db_root)) for ex in exs]
+        lengths = [len(chat.render_prompt(tok, ex, d, cfg.env.protocol, d.db_root)) for ex in exs]
         kept, dropped = dataset.fit_prompts(exs, lengths, d.max_prompt_tokens, cfg.sampling.max_context)
         if dropped:
             log.print(f"{name}: dropped {dropped} of {len(exs)} examples whose prompt is longer than "
@@ -198,7 +187,8 @@ def main():
     log = Log(cfg, rank)
     log.print(C.dump(cfg))
     if cfg.data.prepare_toy or cfg.model.build_tiny:  # the toy recipes: their data and model, when absent
-        runguard.on_rank0(lambda: tiny.prepare_assets(cfg), rank)  # a user error there stops every rank
+        # the tiny tokenizer trains on the run's own text (prompts, the warm start's gold episodes)
+        runguard.on_rank0(lambda: tiny.prepare_assets(cfg, Transformer, sft.gold_texts, Transformer, sft.gold_texts), rank)  # a user error stops every rank
     config_checks.check_model_folder(cfg.model.path)
     torch.manual_seed(cfg.train.seed)
 
@@ -263,7 +253,7 @@ def main():
     if step == 0:  # held-out EX before any GRPO step (after the warm start), beside the random floor
         warm = evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
         if rank == 0:
-            baseline.report(eval_ex, cfg, log, warm)
+            report_random_floor(eval_ex, cfg, log, warm)
 
     ref_model = None
     if cfg.grpo.kl_beta > 0:  # the frozen reference is the policy at GRPO start (after SFT): ckpt 0

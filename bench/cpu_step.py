@@ -49,19 +49,17 @@ from torch.utils.checkpoint import checkpoint
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import config as C  # noqa: E402
-from sqltask import dataset  # noqa: E402
+from sqltask import chat, dataset  # noqa: E402
 from trainer import optim  # noqa: E402
 from trainer import packed_attention  # noqa: E402
 from trainer import packing  # noqa: E402
 import padded  # noqa: E402  (bench/padded.py: the dense mask)
-import gold  # noqa: E402
 import sft  # noqa: E402
 from toy import tiny  # noqa: E402
 import grpo  # noqa: E402
 from trainer import policy_update  # noqa: E402
 from trainer.distributed import all_sum, close, each_micro_batch, setup_dist, shard  # noqa: E402
 from model import Transformer  # noqa: E402
-import rollout  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 
 FOR_ROWS = packed_attention.for_rows
@@ -105,9 +103,9 @@ def gold_data(cfg, tok, n: int):
     exs = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
     random.Random(0).shuffle(exs)
     exs = exs[:n]
-    prompts = [rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in exs]
+    prompts = [chat.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in exs]
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in exs]
-    return prompts, gold.build_dataset(exs, prompts, tok, cfg, db_paths)
+    return prompts, sft.build_dataset(exs, prompts, tok, cfg, db_paths)
 
 
 def grpo_batch(prompts, data, n_prompts: int, G: int, seed: int) -> list[Trajectory]:
@@ -187,7 +185,7 @@ def main():
                          f"--data.train_path={d}/toy/train.jsonl", f"--data.eval_path={d}/toy/eval.jsonl",
                          f"--model.path={d}/model"])
     if rank == 0:
-        tiny.prepare_assets(cfg)
+        tiny.prepare_assets(cfg, Transformer, sft.gold_texts)
     if world > 1:
         torch.distributed.barrier()
     from transformers import AutoTokenizer

@@ -50,7 +50,7 @@ def main():
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     d = tempfile.mkdtemp()
-    tiny.build_tiny_model(d, **SHAPES[args.shape])
+    tiny.build_tiny_model(Transformer, d, **SHAPES[args.shape])
     model = Transformer.from_pretrained(d, dtype=dtype, device=dev)
     lora.apply(model, ModelConfig(lora_rank=args.rank, lora_alpha=2.0 * args.rank, lora_targets=args.targets))
     with torch.no_grad():

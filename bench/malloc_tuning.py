@@ -36,10 +36,8 @@ def arm(tuned: bool, model_path: str, prompts: int, sft_steps: int) -> dict:
     from transformers import AutoTokenizer
 
     import config as C
-    from sqltask import dataset
-    import gold
+    from sqltask import chat, dataset
     from trainer import optim
-    import rollout
     import sft
     from toy import tiny
     from model import Transformer
@@ -58,8 +56,8 @@ def arm(tuned: bool, model_path: str, prompts: int, sft_steps: int) -> dict:
     t0 = time.perf_counter()
     sample_episodes(sampler, tok, exs[8:8 + prompts], cfg, n=G, seed=1)
     t_rollout = time.perf_counter() - t0
-    prompts_txt = [rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in exs]
-    data = gold.build_dataset(exs, prompts_txt, tok, cfg, [dataset.abs_db_path(e, cfg.data.db_root) for e in exs])
+    prompts_txt = [chat.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in exs]
+    data = sft.build_dataset(exs, prompts_txt, tok, cfg, [dataset.abs_db_path(e, cfg.data.db_root) for e in exs])
     opt, sch = optim.make_optimizer(model, cfg.optim, cfg.sft.lr, 0, 1000)
     rng = random.Random(0)
     model.train()

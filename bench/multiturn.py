@@ -84,7 +84,7 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     d = tempfile.mkdtemp(prefix="bench_multiturn_")
-    tiny.build_tiny_model(d, **SHAPE)
+    tiny.build_tiny_model(Transformer, d, **SHAPE)
     model = Transformer.from_pretrained(d)
     g = torch.Generator().manual_seed(0)
     obs = torch.randint(0, SHAPE["vocab_size"], (40,), generator=g).tolist()

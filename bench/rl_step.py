@@ -33,6 +33,7 @@ import train  # noqa: E402
 from trainer.distributed import PeakMemory  # noqa: E402
 from eval import summarise  # noqa: E402
 from model import Transformer  # noqa: E402
+import sft  # noqa: E402
 from trainer.run_log import Log, Phases  # noqa: E402
 from trainer.policy_sampler import PolicySampler  # noqa: E402
 
@@ -55,7 +56,7 @@ def main():
     if not a.model:
         cfg.grpo.dynamic_sampling = False  # a random model's groups are all equal: keep them all
     t0 = time.time()
-    tiny.prepare_assets(cfg)
+    tiny.prepare_assets(cfg, Transformer, sft.gold_texts)
     print(f"assets built in {time.time() - t0:.1f}s")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(cfg.model.path)

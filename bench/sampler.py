@@ -102,7 +102,7 @@ def main():
     dtype = getattr(torch, a.dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
     shape = SHAPES[a.shape]
     d = tempfile.mkdtemp(prefix="bench_sampler_")
-    tiny.build_tiny_model(d, **shape)
+    tiny.build_tiny_model(Transformer, d, **shape)
     ours = Transformer.from_pretrained(d, dtype=dtype, device=dev)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(dev).eval()
     gbps = a.hbm_gbps or (hbm_gbps(dev) if dev.type == "cuda" else 0.0)

@@ -129,7 +129,7 @@ def main_procs(a):
     cfg = C.load_config([os.path.join(ROOT, "configs", "tiny.yaml")])
     m = cfg.model
     d = tempfile.mkdtemp(prefix="bench_train_step_")
-    tiny.build_tiny_model(d, vocab_size=m.tiny_vocab_size, hidden_size=m.tiny_hidden_size, layers=m.tiny_layers,
+    tiny.build_tiny_model(Transformer, d, vocab_size=m.tiny_vocab_size, hidden_size=m.tiny_hidden_size, layers=m.tiny_layers,
                           heads=m.tiny_heads, kv_heads=m.tiny_kv_heads, intermediate_size=m.tiny_intermediate_size)
     n_params = sum(p.numel() for p in Transformer.from_pretrained(d).parameters())
     print(f"model: configs/tiny.yaml shape, {n_params / 1e6:.2f}M params; batch {a.seqs} seqs; "
@@ -189,7 +189,7 @@ def packed_update(model, optimizer, scheduler, trajs, adv, cfg, world, device) -
 
 def build(shape: dict, dtype, device):
     d = tempfile.mkdtemp(prefix="bench_train_step_")
-    tiny.build_tiny_model(d, **shape)
+    tiny.build_tiny_model(Transformer, d, **shape)
     model = Transformer.from_pretrained(d, dtype=dtype, device=device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
     sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

@@ -1,7 +1,7 @@
 """Spider (and its Realistic / Syn / DK variants) -> canonical jsonl (dataset.py).
 
-    python data/prepare_spider.py --src ../shared/data/spider --out runs/spider
-    python data/prepare_spider.py --src ../shared/data/spider --out runs/spider --variant all
+    python data/prepare_spider.py --src $SPIDER_DIR --out runs/spider        # SPIDER_DIR: Spider's release folder
+    python data/prepare_spider.py --src $SPIDER_DIR --out runs/spider --variant all
 
 --variant spider (default): dev.json + train_spider.json (or train_spider.jsonl) -> dev.jsonl,
     train.jsonl, skipped.jsonl.

@@ -33,13 +33,15 @@ def build_tiny_assets(d: Path) -> list[str]:
     """The toy set and a tiny model under d, built as a run builds them (tiny.prepare_assets).
     Returns the `group.key=value` settings that point a config at them (model.path is 5th)."""
     import config as C
+    import sft
+    from model import Transformer
     from toy import tiny
     settings = [f"data.train_path={d}/toy/train.jsonl", f"data.eval_path={d}/toy/eval.jsonl",
                 f"data.db_root={d}/toy", "data.prepare_toy=true", f"model.path={d}/model",
                 "model.build_tiny=true", "model.tiny_hidden_size=32", "model.tiny_layers=1",
                 "model.tiny_heads=2", "model.tiny_kv_heads=1", "model.tiny_intermediate_size=64",
                 "model.tiny_vocab_size=512"]
-    tiny.prepare_assets(C.load_config(["--" + a for a in settings]))
+    tiny.prepare_assets(C.load_config(["--" + a for a in settings]), Transformer, sft.gold_texts)
     return settings
 
 

@@ -111,9 +111,10 @@ def test_a_yaml_syntax_error_is_one_line_with_its_place(tmp_path):
 
 
 def test_model_folder_checks(tmp_path):
+    from model import Transformer
     from toy import tiny
     good = tmp_path / "good"
-    tiny.build_tiny(str(good), vocab_size=300, hidden_size=16, layers=1, heads=2, kv_heads=1)
+    tiny.build_tiny(Transformer, str(good), vocab_size=300, hidden_size=16, layers=1, heads=2, kv_heads=1)
     config_checks.check_model_folder(str(good))
     with pytest.raises(C.ConfigError, match="model.path .*nope: no such folder"):
         config_checks.check_model_folder(str(tmp_path / "nope"))

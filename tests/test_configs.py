@@ -111,20 +111,19 @@ def test_config_warm_start_writes_well_formed_episodes_in_its_protocol(path, ass
     reward (dense shaping included), with the lookup whenever the recipe has a turn for it."""
     from transformers import AutoTokenizer
 
-    from sqltask import dataset
-    import gold
     import reward
     import rollout
+    import sft
+    from sqltask import chat, dataset
     cfg = C.load_config([str(path), *assets, "--env.workers=1"])
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     train_ex = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
     recs = [r for r in train_ex if r["lookup_sql"]][:4] + [r for r in train_ex if not r["lookup_sql"]][:4]
     dbs = [dataset.abs_db_path(r, cfg.data.db_root) for r in recs]
-    prompts = [rollout.render_prompt(tok, r, cfg.data, cfg.env.protocol, cfg.data.db_root) for r in recs]
-    eps = gold.gold_episodes(recs, prompts, tok, cfg, dbs)
-    scores = reward.episode_rewards([reward.Transcript(d, r["gold_sql"], e.text, e.final_sql, e.finished, e.steps)
-                                     for d, r, e in zip(dbs, recs, eps)],
-                                    cfg.reward, cfg.env.protocol, rollout.conversation_pieces(tok, cfg.env))
+    prompts = [chat.render_prompt(tok, r, cfg.data, cfg.env.protocol, cfg.data.db_root) for r in recs]
+    eps = sft.gold_episodes(recs, prompts, tok, cfg, dbs)
+    scores = reward.episode_rewards([rollout.transcript(e, r, cfg.data.db_root) for r, e in zip(recs, eps)],
+                                    cfg.reward, cfg.env.protocol, chat.conversation_pieces(tok, cfg.env))
     for r, e, s in zip(recs, eps, scores):
         assert s.format_ok and s.exec_match and s.value >= cfg.reward.correct, (path.name, s, e.text)
         if r["lookup_sql"] and rollout_turns(cfg) > 1:  # the lookup's observation shows the code

@@ -27,6 +27,7 @@ import eval as ev
 from trainer import runguard
 from sqltask import spider_score
 import rollout
+from model import Transformer
 from toy import tiny
 from rollout import Trajectory
 
@@ -49,7 +50,7 @@ sampling:
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("gen")
     prepare_toy(d / "toy", seed=0)
-    tiny.build_tiny(str(d / "model"), vocab_size=512, hidden_size=32, layers=2, heads=2, kv_heads=1)
+    tiny.build_tiny(Transformer, str(d / "model"), vocab_size=512, hidden_size=32, layers=2, heads=2, kv_heads=1)
     (d / "cfg.yaml").write_text(YAML)
     data = str(d / "toy" / "eval.jsonl")
     base = ["generate", "--model", str(d / "model"), "--data", data, "--db-root", str(d / "toy"),

@@ -1,6 +1,7 @@
 """eval.py score: the command line on a tiny set of our own, the official input handling, and
 per-example agreement with the official test-suite evaluator's verdicts on published Spider
-predictions (../shared/data/spider_preds).
+predictions (spider_preds/ beside the Spider folder: dev predictions with the official evaluator's
+verdicts; skipped when absent).
 
 Run: .venv/bin/pytest tests/test_eval_score.py -q
 """

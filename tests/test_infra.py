@@ -1,5 +1,5 @@
-"""Training infrastructure details: the end-of-turn token SFT appends, the bounded gold cache,
-the SQL pool size per rank, prompt-length filtering, the eval temperature, the episode dict.
+"""Training infrastructure details: the bounded gold cache,
+the SQL pool size per rank, prompt-length filtering, the eval temperature, the transcript.
 
     pytest -q tests/test_infra.py
 """
@@ -13,9 +13,9 @@ import config as C
 from sqltask import dataset
 import eval as eval_
 import rollout
-import gold
-import reward
+from sqltask import exec_match
 from sqltask import sandbox
+from model import Transformer
 from toy import tiny
 from conftest import ROOT
 
@@ -23,29 +23,9 @@ from conftest import ROOT
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
-    tiny.build_tiny(str(d), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
+    tiny.build_tiny(Transformer, str(d), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(d))
-
-
-# -----------------------------------------------------------------------------
-# SFT's end of turn
-
-
-def test_end_of_turn_is_the_chat_templates_token(tok):
-    assert tok.convert_ids_to_tokens(gold.end_of_turn_id(tok)) == "<|im_end|>"  # Qwen's ChatML
-    # a Llama-3-style template closes turns with <|eot_id|>, not <|im_end|> nor its eos
-    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|end_of_text|>"]})
-    old_template, old_eos = tok.chat_template, tok.eos_token
-    try:
-        tok.chat_template = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-                             "{{ m['content'] }}<|eot_id|>{% endfor %}")
-        tok.eos_token = "<|end_of_text|>"
-        assert tok.convert_ids_to_tokens(gold.end_of_turn_id(tok)) == "<|eot_id|>"
-        tok.chat_template = None  # no template: the eos token
-        assert gold.end_of_turn_id(tok) == tok.convert_tokens_to_ids("<|end_of_text|>")
-    finally:
-        tok.chat_template, tok.eos_token = old_template, old_eos
 
 
 # -----------------------------------------------------------------------------
@@ -57,7 +37,7 @@ def result(n_rows):
 
 
 def test_gold_cache_is_an_lru_bounded_by_entries_and_rows():
-    c = reward.GoldCache(max_entries=3, max_rows=10)
+    c = exec_match.GoldCache(max_entries=3, max_rows=10)
     for k in "abc":
         c[k] = result(2)
     assert c.get("a") is not None  # "a" is now the most recent
@@ -77,11 +57,11 @@ def test_match_batch_survives_eviction_within_one_call(tmp_path, monkeypatch):
     con.executemany("INSERT INTO t VALUES (?)", [(i,) for i in range(5)])
     con.commit()
     con.close()
-    monkeypatch.setattr(reward, "_GOLD", reward.GoldCache(max_entries=1))
+    monkeypatch.setattr(exec_match, "_GOLD", exec_match.GoldCache(max_entries=1))
     golds = [f"SELECT x FROM t WHERE x < {k}" for k in range(1, 4)]
-    reward.match_batch([(str(db), g, g) for g in golds], workers=1)  # fills (and evicts) the cache
-    out = reward.match_batch([(str(db), g, g) for g in golds + golds[:1]], workers=1)
-    assert [m for m, _ in out] == [True] * 4 and len(reward._GOLD) == 1
+    exec_match.match_batch([(str(db), g, g) for g in golds], workers=1)  # fills (and evicts) the cache
+    out = exec_match.match_batch([(str(db), g, g) for g in golds + golds[:1]], workers=1)
+    assert [m for m, _ in out] == [True] * 4 and len(exec_match._GOLD) == 1
 
 
 def test_sql_pool_divides_the_cores_by_the_local_ranks(monkeypatch):

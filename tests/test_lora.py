@@ -359,7 +359,9 @@ def test_memory_estimate_of_the_7b_lora_recipe():
 
 def test_memory_command_prints_lora_next_to_full(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(QWEN_7B))  # only config.json is read
-    lora.main([str(ROOT / "configs" / "skyrl_sql_7b_lora.yaml"), f"--model.path={tmp_path}", "--world=2"])
+    sys.path.insert(0, str(ROOT / "bench"))
+    import lora_memory
+    lora_memory.main([str(ROOT / "configs" / "skyrl_sql_7b_lora.yaml"), f"--model.path={tmp_path}", "--world=2"])
     out = capsys.readouterr().out
     full, lo = map(float, re.search(r"world 2: full fine-tune ([\d.]+) GB/device, LoRA ([\d.]+)", out).groups())
     assert "rank 32, alpha 64" in out and 45 < lo < full - 45  # README: 53.7 vs 102.8 GB

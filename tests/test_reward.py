@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import config as C
 import reward
+from sqltask import exec_match
 from config import RewardConfig
 from reward import Transcript
 
@@ -71,14 +72,14 @@ CASES = [  # gold, pred, order_matters, {mode: expected}
 @pytest.mark.parametrize("gold,pred,order,expected", CASES)
 def test_results_match(gold, pred, order, expected):
     for mode, want in expected.items():
-        assert reward.results_match(gold, pred, mode, order) == want, mode
-    assert reward.results_match(gold, pred, "spider", order) == reference_spider_eq(gold, pred, order)
+        assert exec_match.results_match(gold, pred, mode, order) == want, mode
+    assert exec_match.results_match(gold, pred, "spider", order) == reference_spider_eq(gold, pred, order)
 
 
 def test_many_identical_columns_fast():
     gold = [tuple([None] * 11 + [i]) for i in range(50)]
     pred = [tuple([i] + [None] * 11) for i in range(50)]
-    assert reward.results_match(gold, pred, "spider")  # 11! permutations collapse to one
+    assert exec_match.results_match(gold, pred, "spider")  # 11! permutations collapse to one
 
 
 VALUES = st.sampled_from([0, 1, 1.0, 2, 1.5, "a", "1", None])
@@ -104,8 +105,8 @@ def table_pair(draw):
 @given(pair=table_pair(), order=st.booleans())
 def test_spider_matches_reference(pair, order):
     gold, pred = pair
-    assert reward.results_match(gold, pred, "spider", order) == reference_spider_eq(gold, pred, order)
-    assert reward.results_match(gold, pred, "set") == (frozenset(gold) == frozenset(pred))
+    assert exec_match.results_match(gold, pred, "spider", order) == reference_spider_eq(gold, pred, order)
+    assert exec_match.results_match(gold, pred, "set") == (frozenset(gold) == frozenset(pred))
 
 
 # -----------------------------------------------------------------------------
@@ -122,11 +123,11 @@ def test_spider_matches_reference(pair, order):
     ("SELECT * FROM t WHERE y = YEAR ( CURDATE ( ) ) ", "SELECT * FROM t WHERE y = 2020"),
 ])
 def test_spider_sql(sql, want):
-    assert reward.spider_sql(sql) == want
+    assert exec_match.spider_sql(sql) == want
 
 
 def test_spider_sql_keep_distinct():
-    assert reward.spider_sql("SELECT DISTINCT a FROM t; SELECT 2", keep_distinct=True) == "SELECT DISTINCT a FROM t; SELECT 2"
+    assert exec_match.spider_sql("SELECT DISTINCT a FROM t; SELECT 2", keep_distinct=True) == "SELECT DISTINCT a FROM t; SELECT 2"
 
 
 # -----------------------------------------------------------------------------
@@ -331,13 +332,13 @@ def test_empty_solution_scores_wrong_even_when_gold_is_empty(small_db):
 
 
 def test_execution_match_errors_and_timeout(small_db):
-    assert reward.execution_match(small_db, "SELECT a FROM t", "SELECT a FROM t") == (True, "")
-    ok, err = reward.execution_match(small_db, "", "SELECT a FROM t")
+    assert exec_match.execution_match(small_db, "SELECT a FROM t", "SELECT a FROM t") == (True, "")
+    ok, err = exec_match.execution_match(small_db, "", "SELECT a FROM t")
     assert not ok and "empty" in err
-    ok, err = reward.execution_match(small_db, "SELECT a FROM t", "SELECT zz FROM t")
+    ok, err = exec_match.execution_match(small_db, "SELECT a FROM t", "SELECT zz FROM t")
     assert not ok and err.startswith("gold failed")
     slow = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i+1 FROM r) SELECT count(*) FROM r"
-    ok, err = reward.execution_match(small_db, slow, "SELECT a FROM t", timeout_s=0.3)
+    ok, err = exec_match.execution_match(small_db, slow, "SELECT a FROM t", timeout_s=0.3)
     assert not ok and "interrupted" in err
 
 
@@ -359,7 +360,7 @@ def test_every_dev_gold_matches_itself_in_every_mode():
     present = [(p, s) for p, s in dev if p.exists()]
     assert (len(dev), len(present)) == (1034, 972)  # 62 on the missing wta_1
     for mode in ("set", "bag", "spider"):
-        res = reward.match_batch([(p, s, s) for p, s in present], mode)
+        res = exec_match.match_batch([(p, s, s) for p, s in present], mode)
         bad = [(s, e) for (p, s), (ok, e) in zip(present, res) if not ok]
         assert not bad, (mode, bad[:3])
 
@@ -392,16 +393,17 @@ REWRITES = [  # db, gold, pred, {mode: match}
 def test_handwritten_rewrites_and_wrong_queries():
     for mode_i, mode in enumerate(("set", "bag", "spider")):
         items = [(SPIDER / "database" / db / f"{db}.sqlite", p, g) for db, g, p, _ in REWRITES]
-        got = [ok for ok, _ in reward.match_batch(items, mode)]
+        got = [ok for ok, _ in exec_match.match_batch(items, mode)]
         want = [w[mode_i] == "T" for *_, w in REWRITES]
         assert got == want, (mode, [r[2] for r, a, b in zip(REWRITES, got, want) if a != b])
 
 
 def test_conversation_pieces_only_in_conversation_format(monkeypatch):
-    """The reward call sites pass rollout.conversation_wrapper's non-empty pieces in the
+    """The reward call sites pass chat.conversation_wrapper's non-empty pieces in the
     conversation format and nothing in the single-message format."""
     import types
-    import rollout
-    monkeypatch.setattr(rollout, "conversation_wrapper", lambda tok: ("<|im_end|>", "\nU\n", ""))
-    assert rollout.conversation_pieces(None, types.SimpleNamespace(conversation="conversation")) == ("<|im_end|>", "\nU\n")
-    assert rollout.conversation_pieces(None, types.SimpleNamespace(conversation="single")) == ()
+
+    from sqltask import chat
+    monkeypatch.setattr(chat, "conversation_wrapper", lambda tok: ("<|im_end|>", "\nU\n", ""))
+    assert chat.conversation_pieces(None, types.SimpleNamespace(conversation="conversation")) == ("<|im_end|>", "\nU\n")
+    assert chat.conversation_pieces(None, types.SimpleNamespace(conversation="single")) == ()

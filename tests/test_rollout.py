@@ -17,7 +17,8 @@ from config import DataConfig, EnvConfig, SamplingConfig
 from engine.block_manager import BlockManager
 from model import Transformer
 from engine.paged_attention import PagedBatch, PagedKVCache
-from rollout import conversation_wrapper, generate, observation_ids, rollout
+from rollout import generate, rollout
+from sqltask.chat import conversation_wrapper, observation_ids
 from engine.sampling import StopChecker, mix_py, row_key, sample_next, uniforms
 
 torch.set_num_threads(2)

@@ -203,16 +203,16 @@ def test_no_wildcard_answers_a_tool_question(toy, tmp_path):
 
 
 def test_gold_trajectories_follow_the_format_and_score_one(toy):
-    """gold.gold_trajectory for every eval and 300 train records: the lookup then the solution for
+    """sft.gold_episodes for every eval and 300 train records: the lookup then the solution for
     tool questions (refine questions: the natural lookup, its empty observation, then the lookup),
     a direct solution otherwise; SkyRL's format (reward.format_ok), a <think> after every
     observation, and reward 1 through reward.episode_rewards. With two turns a refine question
     gets the lookup alone (no turn for the failed one)."""
     import config as C
     import env
-    import gold
     import reward
-    import rollout
+    import sft
+    from sqltask import chat
     from toy import tiny
     from transformers import AutoTokenizer
     out, _ = toy
@@ -224,11 +224,11 @@ def test_gold_trajectories_follow_the_format_and_score_one(toy):
     cfg = C.load_config(["--env.max_turns=3", "--sft.think_text=", "--sft.with_tool_turn=false",
                          "--data.prompt_template=compact"])
     two_turns = C.load_config(["--env.max_turns=2", "--sft.think_text=", "--data.prompt_template=compact"])
-    prompts = [rollout.render_prompt(tok, r, cfg.data, "tags", str(out)) for r in recs]
+    prompts = [chat.render_prompt(tok, r, cfg.data, "tags", str(out)) for r in recs]
     episodes = []
-    for r, p in zip(recs, prompts):
-        ids, mask = gold.gold_trajectory(r, p, tok, cfg, r["db_file"])
-        text = tok.decode(ids[len(p):])
+    gold = sft.gold_episodes(recs, prompts, tok, cfg, [r["db_file"] for r in recs])
+    for r, p, ep in zip(recs, prompts, gold):
+        text = tok.decode(ep.ids[len(p):])
         assert text.endswith("</solution>")  # where the rollout stops
         assert text.count("<observation>") == bool(r["lookup_sql"]) + bool(r["first_lookup_sql"]), text
         code = re.findall(r"'([^']*)'", r["gold_sql"])[0] if r["lookup_sql"] else ""
@@ -236,8 +236,8 @@ def test_gold_trajectories_follow_the_format_and_score_one(toy):
             assert text.startswith(f"<think></think>\n<sql>{r['first_lookup_sql']}</sql>"), text
             failed = text[text.index("<observation>"):text.index("</observation>")]
             assert code not in failed and "(0 rows)" in failed, failed
-            text_two, _ = gold.gold_trajectory(r, p, tok, two_turns, r["db_file"])
-            assert tok.decode(text_two[len(p):]).startswith(f"<think></think>\n<sql>{r['lookup_sql']}</sql>")
+            ep_two, = sft.gold_episodes([r], [p], tok, two_turns, [r["db_file"]])
+            assert tok.decode(ep_two.ids[len(p):]).startswith(f"<think></think>\n<sql>{r['lookup_sql']}</sql>")
         if r["lookup_sql"]:
             tail = text[text.index("</observation>") + 1:] if r["first_lookup_sql"] else text
             assert f"<sql>{r['lookup_sql']}</sql>" in tail, text

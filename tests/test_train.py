@@ -16,9 +16,9 @@ import torch
 from trainer import checkpoint
 import config as C
 from trainer import distributed
-import gold
 from trainer import optim
 import rollout
+from sqltask import chat
 from trainer import run_log
 import sft
 from toy import tiny
@@ -33,7 +33,7 @@ import padded  # noqa: E402  (bench/padded.py: the padded reference layout)
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
-    tiny.build_tiny(str(d), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
+    tiny.build_tiny(Transformer, str(d), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
     from transformers import AutoTokenizer
     return str(d), AutoTokenizer.from_pretrained(str(d))
 
@@ -78,8 +78,9 @@ def test_sft_gold_trajectory_masks_model_side(tmp_path, tiny_model):
     ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=1)[0]
     for conv in ("single", "conversation"):
         cfg = C.load_config([f"--env.conversation={conv}", "--data.prompt_template=compact"])
-        p = rollout.render_prompt(tok, ex, cfg.data, "tags", str(tmp_path))
-        ids, mask = gold.gold_trajectory(ex, p, tok, cfg, dataset.abs_db_path(ex, str(tmp_path)))
+        p = chat.render_prompt(tok, ex, cfg.data, "tags", str(tmp_path))
+        ep, = sft.gold_episodes([ex], [p], tok, cfg, [dataset.abs_db_path(ex, str(tmp_path))])
+        ids, mask = ep.ids, ep.loss_mask
         assert ids[:len(p)] == p and not any(mask[:len(p)])
         model_text = tok.decode([i for i, m in zip(ids, mask) if m])
         gold_sql = ex["gold_sql"]

@@ -14,14 +14,14 @@ import os
 import time
 from pathlib import Path
 
-import config as C
+from trainer.config_loader import to_dict
 from trainer import sample_log
 from trainer.distributed import PeakMemory
 
 class Log:
     """Rank-0 prints, <out_dir>/metrics.jsonl and wandb (online/offline/disabled)."""
 
-    def __init__(self, cfg: C.Config, rank: int):
+    def __init__(self, cfg, rank: int):
         self.rank, self.run = rank, None
         if rank != 0:
             return
@@ -30,7 +30,7 @@ class Log:
         if cfg.wandb.mode != "disabled":
             import wandb
             self.run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or None, mode=cfg.wandb.mode,
-                                  config=C.to_dict(cfg), dir=cfg.train.out_dir)
+                                  config=to_dict(cfg), dir=cfg.train.out_dir)
         self.sample_log = sample_log.SampleLog(cfg.train.out_dir, self.run)  # samples.jsonl (+ wandb table)
 
     def print(self, *a):

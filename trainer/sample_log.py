@@ -28,12 +28,10 @@ def episode_row(step: int, episode, tokenizer) -> dict:
     """One sampled episode (rollout.Episode) as a row."""
     traj, rw, example = episode.trajectory, episode.reward, episode.example
     turns = []
-    for k, (start, end) in enumerate(traj.turn_spans):
-        nxt = traj.turn_spans[k + 1][0] if k + 1 < len(traj.turn_spans) else len(traj.ids)
+    for k, turn in enumerate(traj.turn_texts(tokenizer)):
         # env steps run one per turn, in order; a turn the episode ended on without one has none
         sql = traj.steps[k]["arg"] if k < len(traj.steps) else ""
-        turns.append({"sql": sql, "observation": tokenizer.decode(traj.ids[end:nxt]).strip(),
-                      "text": tokenizer.decode(traj.ids[start:end])})
+        turns.append({"sql": sql, "observation": turn["observation"].strip(), "text": turn["text"]})
     return {"step": step, "question": example["question"], "turns": turns,
             "solution": traj.final_sql if traj.finished else "", "reward": float(rw.value),
             "exec_match": bool(rw.exec_match), "gold": example["gold_sql"]}
