@@ -7,7 +7,7 @@ advantages → update → optimizer step → weight sync) → log / eval / check
     python train.py configs/tiny.yaml --grpo.clip_high=0.28                  # one process
 Multi-node: torchrun --nnodes=2 --node_rank=R --nproc_per_node=8 --rdzv_backend=c10d
     --rdzv_endpoint=HOST:29500 --rdzv_id=RUN train.py configs/skyrl_sql_7b_2node.yaml
-Process group, FSDP2 sharding and the collectives live in distributed.py.
+Process group, FSDP2 sharding and the collectives live in trainer/distributed.py.
 """
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def collect(run: Run, prompts: list[dict], stream: "PromptStream", step: int, ph
 
 def grpo_step(run: Run, prompts: list[dict], stream: "PromptStream", step: int, phase) -> tuple[list, list, dict]:
     """One GRPO step, every move in order: sample and reward (collect, with the keep mask), the
-    credit (grpo.token_advantages: each loss token's advantage), the update (policy_update.py: old /
+    credit (grpo.token_advantages: each loss token's advantage), the update (trainer/policy_update.py: old /
     reference logprobs once, then per mini-batch the packed forward, grpo.policy_loss on its
     LossInputs, backward and the optimizer step) and the weight sync (the sampler's copy refreshed
     when a step moved the weights). Returns (kept, seen, metrics): the episodes trained on and
@@ -188,7 +188,7 @@ def main():
     log.print(C.dump(cfg))
     if cfg.data.prepare_toy or cfg.model.build_tiny:  # the toy recipes: their data and model, when absent
         # the tiny tokenizer trains on the run's own text (prompts, the warm start's gold episodes)
-        runguard.on_rank0(lambda: tiny.prepare_assets(cfg, Transformer, sft.gold_texts, Transformer, sft.gold_texts), rank)  # a user error stops every rank
+        runguard.on_rank0(lambda: tiny.prepare_assets(cfg, Transformer, sft.gold_texts), rank)  # a user error stops every rank
     config_checks.check_model_folder(cfg.model.path)
     torch.manual_seed(cfg.train.seed)
 
