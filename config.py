@@ -44,7 +44,7 @@ class ModelConfig:
     # --against block). Same shards and checkpoints either way.
     fsdp_unit: str = choice("block", "block", "model")
     fp32_lm_head: bool = False  # bf16 runs: LM head matmul + log-softmax of the loss in fp32
-    # LoRA (lora.py): 0 = full fine-tune; > 0 freezes the base and trains rank-r adapters
+    # LoRA (trainer/lora.py): 0 = full fine-tune; > 0 freezes the base and trains rank-r adapters
     lora_rank: int = 0
     lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # on the adapters' input, training only
@@ -62,7 +62,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = "runs/toy/train.jsonl"  # canonical jsonl (see dataset.py)
+    train_path: str = "runs/toy/train.jsonl"  # canonical jsonl (see sqltask/dataset.py)
     eval_path: str = "runs/toy/eval.jsonl"
     db_root: str = "runs/toy"  # records' db_path is relative to this folder
     prepare_toy: bool = True  # generate the toy set at db_root if train_path is absent
@@ -173,7 +173,7 @@ class GRPOConfig:
     kl_beta: float = 0.0  # > 0 loads a frozen reference model (k3 KL)
     loss_agg: str = choice("token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo")
     drgrpo_max_len: int = 0  # L in Dr. GRPO's sum/(B*L); 0 = max_context
-    # sampler vs trainer logprob correction (rollout_correction.py): weight min(r, cap) or drop
+    # sampler vs trainer logprob correction (trainer/rollout_correction.py): weight min(r, cap) or drop
     # outside [low, high] with r = π_old/π_rollout per token or per sequence; geo-mask drops a
     # sequence whose geometric-mean r leaves [1 - delta, 1 + delta]
     rollout_is: str = choice("none", "none", "token-tis", "seq-tis", "token-mis", "seq-mis", "geo-mask")
@@ -210,7 +210,7 @@ class OptimConfig:
     micro_batch_tokens: int = 16384  # tokens per forward/backward micro-batch
     # packed rows of at most this many tokens, several per micro-batch (0: one row per micro-batch).
     # 0 is best on both devices: CUDA's FlexAttention skips masked blocks, and CPU attention runs per
-    # sequence (packed_attention.py), never over a row's T² pairs
+    # sequence (trainer/packed_attention.py), never over a row's T² pairs
     pack_row_tokens: int = 0
 
 

@@ -1,11 +1,11 @@
 """The SQL tool as the model sees it: the two dialogue protocols (SkyRL tags, sql_env actions),
-observations, and one environment step for a batch of rows. Execution is sandbox.py's (hardened
+observations, and one environment step for a batch of rows. Execution is sqltask/sandbox.py's (hardened
 read-only SQLite in a killable worker pool); run_sql, run_sql_batch and SqlResult are re-exported.
 
     python env.py DB.sqlite "SELECT ..."     # run one query through the sandbox, print the observation
 
 API: parse_turn -> Action; step_batch -> StepResult; format_observation; table_names_text;
-step_record; STOP_STRINGS (for the sampler); run_sql / run_sql_batch -> SqlResult (sandbox.py).
+step_record; STOP_STRINGS (for the sampler); run_sql / run_sql_batch -> SqlResult (sqltask/sandbox.py).
 Tests: .venv/bin/pytest tests/test_env.py
 """
 from __future__ import annotations

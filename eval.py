@@ -384,7 +384,7 @@ def add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="multi-turn rollouts of a model on a dataset, scored",
                        description="Extra --group.key=value arguments override the config (as in train.py).")
     g.add_argument("--model", required=True, help="HF folder, a checkpoint (ckpt_<step>/) or its hf/")
-    g.add_argument("--data", default="", help="canonical jsonl (dataset.py; default: the config's data.eval_path)")
+    g.add_argument("--data", default="", help="canonical jsonl (sqltask/dataset.py; default: the config's data.eval_path)")
     g.add_argument("--db-root", default="", help="the records' db_path is relative to this (default: data.db_root)")
     g.add_argument("--n", "--samples", dest="n", type=int, default=1,  # torchrun takes --n as its own
                    help="samples per example (> 1: pass@k, majority vote); under torchrun write --samples")

@@ -2,7 +2,7 @@
 policy loss family (PPO-clip GRPO, GSPO, GSPO-token, CISPO) with optional rollout importance
 correction. Tensor functions on typed inputs; the step that calls them is train.grpo_step
 (sample, reward, keep mask, credit, update, sync), and the update's plumbing that feeds the loss
-its LossInputs is policy_update.py.
+its LossInputs is trainer/policy_update.py.
 
 Where to edit for an ablation:
   - the credit (per-token or per-turn advantages): `token_advantages` (and one grpo.* config key);

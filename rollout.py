@@ -143,7 +143,7 @@ def rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root
     example i). Each example needs db_path (absolute or relative to db_root) + what
     prompts.build_messages reads (question, evidence, ...). dtype: the KV cache's (the compute
     dtype; default the parameters'). stats: a dict to fill with engine_counters (prefilled
-    tokens, peak blocks, ...). engine: a persistent Engine on `model` (policy_sampler.py) reset and
+    tokens, peak blocks, ...). engine: a persistent Engine on `model` (trainer/policy_sampler.py) reset and
     reused, its pool, buffers and graphs kept; default a new one for this rollout, freed after.
     Returns P*n Trajectories."""
     prompt_ids = [render_prompt(tokenizer, ex, data_cfg, env_cfg.protocol, db_root) for ex in examples]

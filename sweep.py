@@ -96,7 +96,7 @@ def argv_of(overrides: dict) -> list[str]:
 
 
 def validate(config_path: str, points, fixed: dict):
-    """Raise config.ConfigError (config.py's and config_checks.py's messages: a bad key, a value out
+    """Raise config.ConfigError (config.py's and trainer/config_checks.py's messages: a bad key, a value out
     of range, keys that disagree) for any point before anything runs (each point is one process)."""
     from trainer import config_checks
     for name, over in points:

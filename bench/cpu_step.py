@@ -1,12 +1,12 @@
 """CPU time of configs/tiny.yaml's GRPO update and SFT warm-start steps: today's settings vs the
 reference they replaced, interleaved in ONE process (old, new, old, new, ...), medians of ratios.
 
-  old  SDPA over a dense (B, 1, T, T) mask (`DenseRows`, the CPU attention packed_attention.py
+  old  SDPA over a dense (B, 1, T, T) mask (`DenseRows`, the CPU attention trainer/packed_attention.py
        replaced) with optim.pack_row_tokens 512 and micro_batch_tokens 16384, AdamW's
        per-parameter loop (foreach=False), the LM head checkpointed even as a single chunk
        (`checkpointed_logprobs`, the code it replaced), per-block FSDP2 units: the code and
        settings before this benchmark was written
-  new  configs/tiny.yaml and the code as they are (packed_attention.py: one causal attention
+  new  configs/tiny.yaml and the code as they are (trainer/packed_attention.py: one causal attention
        row per sequence; foreach AdamW; no single-chunk recompute; model.fsdp_unit model)
   --against block: old is today's settings with per-block FSDP2 units (model.fsdp_unit block), so
        the ratios are those of the one-unit layout alone

@@ -1,4 +1,4 @@
-"""Per-query overhead of the SQL tool (sandbox.py) beyond SQLite's own time.
+"""Per-query overhead of the SQL tool (sqltask/sandbox.py) beyond SQLite's own time.
 
 Queries: the executable Spider dev golds (or, without Spider, cheap queries on a generated
 database). For each query, in one process, the best of `--repeats` timings of:

@@ -1,4 +1,4 @@
-"""Spider (and its Realistic / Syn / DK variants) -> canonical jsonl (dataset.py).
+"""Spider (and its Realistic / Syn / DK variants) -> canonical jsonl (sqltask/dataset.py).
 
     python data/prepare_spider.py --src $SPIDER_DIR --out runs/spider        # SPIDER_DIR: Spider's release folder
     python data/prepare_spider.py --src $SPIDER_DIR --out runs/spider --variant all
@@ -23,7 +23,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: dataset.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: sqltask/dataset.py
 from sqltask.dataset import make_record, run_gold, write_jsonl  # noqa: E402
 
 VARIANTS = ("realistic", "syn", "dk")

@@ -11,7 +11,7 @@ Every dataset (Spider, its variants, BIRD, SkyRL-SQL-653, the toy set) is conver
 script in data/, so train.py and eval.py read one thing. The database root is given at run time
 (DataConfig.db_root) so the same jsonl works wherever the databases live.
 
-    python dataset.py FILE.jsonl DB_ROOT      # validate a file, print counts per source / db
+    python -m sqltask.dataset FILE.jsonl DB_ROOT      # validate a file, print counts per source / db
 """
 from __future__ import annotations
 
@@ -244,7 +244,7 @@ def drop_failing_golds(examples: list[dict], errors: list[str], name: str) -> tu
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python dataset.py FILE.jsonl DB_ROOT")
+        sys.exit("usage: python -m sqltask.dataset FILE.jsonl DB_ROOT")
     try:
         ex = load_examples(sys.argv[1], sys.argv[2])
     except DatasetError as e:

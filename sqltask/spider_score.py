@@ -13,7 +13,7 @@ not SQLite, unreadable, no tables: unusable_databases) skips its examples, named
 Agreement with the official test-suite evaluator (taoyds/test-suite-sql-eval, exec match, default
 settings): 972/972 per-example verdicts on the published Spider predictions tests/test_eval_score.py
 reads (spider_preds/ beside the Spider folder). Deliberate differences, none of which occurs in those files:
-- queries run in the read-only sandbox (sandbox.py): a prediction that writes, attaches, etc. is an
+- queries run in the read-only sandbox (sqltask/sandbox.py): a prediction that writes, attaches, etc. is an
   error (the official script executes it against the database file);
 - each query has a timeout (--timeout, 30 s; the official one cannot interrupt a query), SQL text
   is capped at 100 KB and results at 1e6 rows / 64 MB;

@@ -1,4 +1,4 @@
-"""config_checks.py: every numeric key has a range, each value outside it is refused naming the key,
+"""trainer/config_checks.py: every numeric key has a range, each value outside it is refused naming the key,
 the keys that must agree do, the model folder is checked before anything loads, and train.py
 refuses a bad config at once: one line, exit 1, nothing run.
 

@@ -46,7 +46,7 @@ def test_config_loads_with_paths_of_the_right_shape(path):
     assert cfg.model.path and not cfg.model.path.endswith((".json", ".safetensors")), "model.path is a folder"
     assert cfg.model.build_tiny or not cfg.model.path.startswith("runs/"), "a real model is not built under runs/"
     for p in (cfg.data.train_path, cfg.data.eval_path):
-        assert p.endswith(".jsonl"), f"{path.name}: {p} is not a canonical jsonl (dataset.py)"
+        assert p.endswith(".jsonl"), f"{path.name}: {p} is not a canonical jsonl (sqltask/dataset.py)"
     assert cfg.data.db_root and cfg.train.out_dir.startswith("runs/")
     if not cfg.data.prepare_toy:  # a real data set: its files are prepared by a script in data/
         assert not cfg.data.train_path.startswith("runs/toy")

@@ -1,4 +1,4 @@
-"""dataset.py: the canonical record, the loader's error report, the gold runner."""
+"""sqltask/dataset.py: the canonical record, the loader's error report, the gold runner."""
 import json
 import sqlite3
 

@@ -1,4 +1,4 @@
-"""lora.py: LoRA on the fused projections, against PEFT on the transformers model as the reference.
+"""trainer/lora.py: LoRA on the fused projections, against PEFT on the transformers model as the reference.
 
 Tiny random models of each family (qwen2 with q/k/v biases, qwen3 with q/k norms, llama) are
 built by transformers; our LoRA-applied Transformer with random adapters is saved in PEFT's

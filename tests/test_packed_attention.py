@@ -1,4 +1,4 @@
-"""packed_attention.py: the CPU path (SegmentRows) against SDPA with the dense mask (forward and
+"""trainer/packed_attention.py: the CPU path (SegmentRows) against SDPA with the dense mask (forward and
 gradients, buckets); the CUDA path's block mask built from the row's structure against
 create_block_mask on random packings, its memory and time on a 32k-token row, flex_attention with
 it against SDPA, and the packed forward through it against the CPU path. ~60 s.

@@ -1,4 +1,4 @@
-"""Shared-prompt packing (packing.py) against the padded per-sequence path it replaces: the same
+"""Shared-prompt packing (trainer/packing.py) against the padded per-sequence path it replaces: the same
 per-token logprobs and entropies, and through policy_update.update the same loss and gradients for every
 loss aggregation, ppo_epochs × mini_batches, kl_beta > 0, activation checkpointing, multi-turn
 trajectories (observation tokens masked), groups that fall back to the plain layout. ~60 s.

@@ -1,4 +1,4 @@
-"""prompts.py: schema DDL against SQLite itself (every Spider database), the truncation order and
+"""sqltask/prompts.py: schema DDL against SQLite itself (every Spider database), the truncation order and
 its report, and the three templates."""
 import re
 import sqlite3

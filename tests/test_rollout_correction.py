@@ -1,4 +1,4 @@
-"""rollout_correction.py (sampler vs trainer logprobs: mismatch metrics, truncated / masked IS,
+"""trainer/rollout_correction.py (sampler vs trainer logprobs: mismatch metrics, truncated / masked IS,
 the geometric sequence mask) against hand-computed values, and how policy_loss applies it.
 
     .venv/bin/pytest tests/test_rollout_correction.py -q

@@ -1,4 +1,4 @@
-"""tiny.py: the tokenizer round-trips through AutoTokenizer, the folder loads in transformers and ours.
+"""toy/tiny.py: the tokenizer round-trips through AutoTokenizer, the folder loads in transformers and ours.
 
 Run: .venv/bin/pytest tests/test_tiny.py -q
 """

@@ -4,7 +4,7 @@
 
 Writes, under --out:
     database/<db_id>/<db_id>.sqlite   130 small databases: 5 schema families x 26 (toy/schemas.py)
-    train.jsonl                       ~2000 questions on 120 databases (canonical records, dataset.py)
+    train.jsonl                       ~2000 questions on 120 databases (canonical records, sqltask/dataset.py)
     eval.jsonl                        600 questions on the 10 held-out databases (two per family)
 Records' db_path is relative to --out. Each record also carries `template` (for per-template EX).
 

@@ -14,5 +14,6 @@
     run_log.py            rank-0 prints, metrics.jsonl, wandb; seconds per phase of a step
     sample_log.py         sampled episodes to samples.jsonl and the wandb table `samples`
     runguard.py           one run per out_dir, Ctrl-C at a step boundary, one line per user error
+    config_loader.py      YAML + --key=value applied to config.py's dataclasses, type-checked; ConfigError
     malloc_tuning.py      CPU runs: glibc keeps freed memory for reuse
 """

@@ -186,7 +186,7 @@ def adapter_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 # -----------------------------------------------------------------------------
-# merging: the one formula, for the sampler's weights (policy_sampler.py) and merged HF exports
+# merging: the one formula, for the sampler's weights (trainer/policy_sampler.py) and merged HF exports
 
 
 def part_delta(parts, lora_A, lora_B, scaling: float, in_features: int, device) -> torch.Tensor:

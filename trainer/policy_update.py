@@ -9,7 +9,7 @@
 Per micro-batch, the loss sees one LossInputs: (B, T) tensors, row b one sequence's loss tokens
 (its sampled tokens, in order). `loss` is grpo.PolicyLoss (anything with `norm(masks)` and
 `__call__(inputs, norm) -> (loss, metrics)`): this file packs, scores and accumulates, and never
-decides what the loss or the credit is. Sequences are packed (packing.py: a prompt and its G
+decides what the loss or the credit is. Sequences are packed (trainer/packing.py: a prompt and its G
 responses computed once, logprobs of the loss tokens only); every rank runs as many micro-batch
 passes (distributed.each_micro_batch).
 Tests: .venv/bin/pytest tests/test_packing.py (against the padded per-sequence reference)
