@@ -71,7 +71,7 @@ class Engine:
         scheduler and block table (the pool's contents are stale and overwritten before they are
         read), the run's stop rules, greedy flag, logits hook and sampling config (cfg: default
         the current; same block size), zeroed counters. A persistent
-        engine (trainer/policy_sampler.py) calls it before every rollout; the weights it reads are the
+        engine (policy_sampler.py) calls it before every rollout; the weights it reads are the
         model's parameters in place, so graphs captured in an earlier run replay the new ones."""
         if cfg is not None:
             if cfg.block_size != self.cache.block_size:
