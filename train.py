@@ -1,6 +1,6 @@
 """GRPO for multi-turn text-to-SQL under FSDP2. One file, top to bottom: config → process group →
-model and its sampler → (SFT warm start) → loop (prompts → rollout → rewards → keep mask →
-advantages → update → optimizer step → weight sync) → log / eval / checkpoint.
+model and its sampler → (SFT warm start) → loop of grpo_step (sample and reward → keep mask →
+credit → update → weight sync) → log / eval / checkpoint.
 
     torchrun --standalone --nproc_per_node=2 train.py configs/tiny.yaml     # CPU (gloo)
     torchrun --standalone --nproc_per_node=8 train.py configs/skyrl_sql_7b.yaml --train.out_dir=runs/x
@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import config as C
 import grpo
