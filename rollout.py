@@ -1,9 +1,10 @@
-"""Multi-turn text-to-SQL episodes on the sampler's engine: render, sample, parse, run the tool, observe.
+"""Multi-turn text-to-SQL episodes on the sampler's engine: render, sample, parse, run the tool,
+observe; then reward them, one typed Episode each (what a GRPO step carries to the update).
 
-    from rollout import generate, rollout
+    episodes = sample_episodes(sampler, tok, examples, cfg, n=G, seed=s)   # rollout then reward: Episode list
+    trajs = rollout(model, tok, examples, env_cfg, sampling_cfg, data_cfg, db_root, n=5, seed=s)  # the loop
+    trajs = replay(turns, db_paths, env_cfg, budget=3, tokenizer=tok, prompt_ids=p)  # scripted turns
     trajs = generate(model, prompt_ids, sampling_cfg, ["</sql>"], tokenizer, seed=0)  # one turn
-    trajs = rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root,
-                    n=5, seed=step, dtype=torch.bfloat16)                             # episodes
 
 An episode: the prompt (chat template) is sampled until a stop string, EOS or the turn's budget;
 the env parses the turn and runs its SQL; the observation's tokens are appended (loss mask 0) and
