@@ -146,7 +146,12 @@ class SamplingConfig:
     kv_budget_tokens: int = 1_000_000  # KV cache tokens per rank: rows run while their blocks fit
     block_size: int = 16  # tokens per KV cache block (the unit of paging and prompt sharing)
     max_decode_rows: int = 0  # most sequences decoding at once; 0 = as many as the KV budget holds
-    cuda_graphs: bool = True  # CUDA: replay the decode forward from captured graphs (ignored on CPU)
+    cuda_graphs: bool = True  # CUDA: replay the whole decode step from captured graphs (ignored on CPU)
+    # CUDA graphs: compile the decode step (inductor) before capturing it, to fuse the norms, RoPE,
+    # slot arithmetic and sampling into a few kernels instead of ~40 small ones per layer. Off: on the
+    # H200 (torch 2.11) inductor has not yet lowered FlexAttention inside the step, so the compile
+    # failed and fell back after ~45 s (bench/RESULTS.md, fourth GPU session); on for measuring it
+    compile_decode: bool = False
     prefill_tokens: int = 16384  # padded tokens per prefill forward: bounds its activations
     # how a decode step reads the paged KV cache (paged_attention.py): flex = FlexAttention over the
     # blocks in place, gather = copy each row's blocks out then SDPA (the reference); auto = flex on CUDA
@@ -235,9 +240,10 @@ class SFTConfig:
     # recovery to build on. A condition on the EX stop: with stop_at_train_ex 0 nothing stops.
     stop_at_train_recovery: float = 0.0
     stop_check_every: int = 10
-    # Near the threshold, finer checks: once a check's training EX reaches stop_near_ex (0 = never),
-    # check every stop_check_every_near steps. The climb can take training EX from 45% to 62% within
-    # 10 steps, and the first check past stop_at_train_ex then lands far above it.
+    # Near the threshold, finer checks: while the last check's training EX is at or above stop_near_ex
+    # (0 = never), check every stop_check_every_near steps; a check back below it returns to
+    # stop_check_every (both grids are the multiples of their step count). The climb can take training
+    # EX from 45% to 62% within 10 steps, and the first check past stop_at_train_ex then lands far above it.
     stop_near_ex: float = 0.0
     stop_check_every_near: int = 0
     stop_check_questions: int = 128  # training questions the stop check evaluates (spread over the set)
@@ -250,6 +256,11 @@ class SFTConfig:
     # before step 200; the earliest stop measured, 3 seeds on 2 machines, came at step 240). The
     # models have no dropout and greedy checks draw no random numbers: skipping them changes nothing else.
     stop_check_from: int = 0
+    # save the warm start (<out_dir>/warm_start: weights, AdamW, RNG, step, the stop checks' grid) every
+    # K steps, at its end and at a Ctrl-C / SIGTERM: the same command then continues it from there, to the
+    # same weights (0 = at its end and at a stop only). On the toy a save takes ~0.1 s beside ~0.3 s per
+    # step: at 50, a kill -9 loses at most ~15 s of work
+    save_every: int = 50
 
 
 @dataclass

@@ -4,7 +4,9 @@ sqltask/gold_turns.py; played through the env and tokenized as a rollout appends
 Loss only on the model-side tokens (mask 1), never on the prompt or the observations.
 train.py calls run_sft (the loop) before GRPO when `sft.steps > 0`, or warm_start_base in a LoRA
 run (SFT the full model, then write the frozen base); it shares the model, FSDP2 and checkpoints.
-Tests: .venv/bin/pytest tests/test_sft.py
+A stop (Ctrl-C, SIGTERM, kill -9) loses at most sft.save_every steps: the same command continues
+the warm start from <out_dir>/warm_start to the weights an unstopped run reaches.
+Tests: .venv/bin/pytest tests/test_sft.py tests/test_sft_resume.py (and the warm-start loop in tests/test_train.py)
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ from eval import evaluate
 from model import Transformer
 from sqltask import chat, dataset
 from sqltask.gold_turns import gold_turns
-from trainer import checkpoint, optim, packing
-from trainer.distributed import all_sum, compute_dtype, each_micro_batch, shard
+from trainer import checkpoint, optim, packing, runguard
+from trainer.distributed import all_sum, close, compute_dtype, each_micro_batch, shard
 from trainer.policy_sampler import PolicySampler
 
 # -----------------------------------------------------------------------------
@@ -100,16 +102,17 @@ def sft_loss_sum(model, seqs, temperature: float = 1.0, row_tokens: int = 0):
 # the warm start: the SFT loop, and the full-model base of a LoRA run
 
 
-def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log):
+def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, *, resume_from=None, stop=None):
     """LoRA runs: SFT the full model, then write it to <out_dir>/base (HF folder), the frozen
     base the adapters train on. Written to a temporary folder and renamed (a kill leaves none).
-    The full model's evals sample on a sampler of its own, freed with it."""
+    The full model's evals sample on a sampler of its own, freed with it. resume_from, stop: as
+    run_sft's (its save is the full model's)."""
     full = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32, device=device)
     full.set_activation_checkpointing(cfg.model.activation_checkpointing)
     full.fp32_lm_head = cfg.model.fp32_lm_head
     full = shard(full, compute_dtype(cfg), cfg.model.fsdp_unit)
     sampler = PolicySampler(full, cfg.sampling, dtype=compute_dtype(cfg))
-    run_sft(full, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log)
+    run_sft(full, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log, resume_from=resume_from, stop=stop)
     msd = checkpoint.full_model_state(full)
     if rank == 0:
         final, tmp = Path(checkpoint.lora_base_path(cfg)), Path(cfg.train.out_dir) / ".tmp_base"
@@ -148,11 +151,15 @@ def stop_check_questions(train_ex: list[dict], s) -> tuple[list[dict], list[dict
     return probe[::max(1, len(probe) // n)][:n], [ex for ex in train_ex if ex["db_id"] not in held]
 
 
-def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log) -> bool:
+def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log, *, resume_from=None,
+            stop=None) -> bool:
     """Warm start on gold trajectories (loss on model-side tokens only, token-mean over the batch).
     sampler: the model's PolicySampler, refreshed with the current weights before the evals
     (sft.eval_every, eval.evaluate) and the sft.stop_at_train_ex check; log: run_log.Log.
-    Returns whether the sampler holds the final weights (the run stopped right after a check)."""
+    Saves to <out_dir>/warm_start (checkpoint.save) every sft.save_every steps, at its end and, with
+    `stop` (runguard.StopSignals), after the step in which a signal came (then raises Stopped);
+    resume_from: such a save, continued exactly (weights, AdamW, RNG, the data order, the check grid,
+    the log). Returns whether the sampler holds the final weights (the run stopped right after a check)."""
     s = cfg.sft
     t0 = time.time()
     n_dbs = len({ex["db_id"] for ex in train_ex})
@@ -165,11 +172,28 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]
     data = build_dataset(train_ex, prompts, tok, cfg, db_paths)
     opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
+    check_every = s.stop_check_every  # stop_check_every_near while the last check is at or above stop_near_ex
+    start, finished = 0, False  # steps done; whether the warm start ended (cap or stop check)
+    if resume_from:
+        saved = checkpoint.load(resume_from, model, opt, sch)
+        start, check_every, finished = saved["step"], saved["check_every"], saved["finished"]
+        log.rewind(saved.get("log_sizes"))  # what was logged after the save is logged again
+        log.print(f"warm start: resumed from {resume_from} at step {start}" + (" (it had ended)" if finished else ""))
+
+    def save(step: int, ended: bool) -> str | None:
+        return checkpoint.save(cfg.train.out_dir, step, model, opt, sch, tok, cfg,
+                               {"check_every": check_every, "finished": ended, "log_sizes": log.sizes()},
+                               name=checkpoint.WARM_START)
+
     synced = False  # the sampler holds this step's weights
     was_training = model.training
     model.train()  # dropout on for the loss (the evals inside run in eval mode: the engine sets it)
-    check_every = s.stop_check_every  # stop_check_every_near once a check reaches stop_near_ex
-    for i, idx in enumerate(batches(len(data), s.batch_size, s.steps, cfg.train.seed, rank, world)):
+    if stop is not None:
+        stop.at_step_boundary()  # a signal now stops after the step in progress, with a save
+    # the global batches are a function of (seed, step) alone: skipping the first `start` resumes the order
+    for i, idx in enumerate(batches(len(data), s.batch_size, 0 if finished else s.steps, cfg.train.seed, rank, world)):
+        if i < start:
+            continue
         seqs = [data[j] for j in idx]
         n_tok = all_sum([sum(sum(m[1:]) for _, m in seqs)], device)[0]
         opt.zero_grad(set_to_none=True)
@@ -204,7 +228,20 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
                           f"sft.stop_at_train_ex {100 * s.stop_at_train_ex:.0f}%" +
                           (f", recovery {100 * recovery:.1f}% >= sft.stop_at_train_recovery "
                            f"{100 * s.stop_at_train_recovery:.0f}%" if s.stop_at_train_recovery > 0 else ""))
-                break
+                finished = True
+        finished = finished or i + 1 == s.steps
+        signum = stop.requested(device) if stop is not None else 0  # collective: every rank agrees
+        if finished or signum or (s.save_every and (i + 1) % s.save_every == 0):
+            path = save(i + 1, finished)  # the end too: a kill before ckpt_000000 loses no step
+        if signum:
+            line = runguard.stop_line(signum, i + 1, s.steps, path, what="warm-start step")
+            log.print(line)
+            close()
+            raise runguard.Stopped(signum, line if rank == 0 else "")
+        if finished:
+            break
+    if stop is not None:
+        stop.at_once()  # set-up until the GRPO loop: a signal stops at once (this save resumes)
     model.train(was_training)
     del opt, sch
     return synced

@@ -12,6 +12,7 @@ Process group, FSDP2 sharding and the collectives live in trainer/distributed.py
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -178,7 +179,7 @@ def main():
     out_dir_lock = runguard.lock_out_dir(cfg.train.out_dir) if runguard.launch_rank() == 0 else None  # held till exit
     rank, world, device = setup_dist(cfg.train.dist_timeout_s)
     runguard.stop_with_launcher()  # torchrun killed (kill -9): its ranks stop, not train on as orphans
-    stop = runguard.StopSignals()  # Ctrl-C / SIGTERM: at once until the loop, then at a step boundary
+    stop = runguard.StopSignals()  # Ctrl-C / SIGTERM: at once in set-up, after the step in SFT and GRPO
     if device.type == "cpu":  # large CPU tensors reuse freed heap memory, no fresh pages per step
         malloc_tuning.keep_freed_memory()
     if cfg.train.threads:
@@ -195,8 +196,11 @@ def main():
     tok = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)  # no network at run time
     train_ex, eval_ex = load_splits(tok, cfg, log, rank, world)
     ck = checkpoint.latest(cfg.train.out_dir) if cfg.train.resume != "false" else None
-    if ck:
-        checkpoint.check_resumable(ck, cfg, tok)
+    # a warm start stopped before GRPO began (no ckpt_000000 yet) continues from its last save
+    warm = checkpoint.warm_start_save(cfg.train.out_dir) if cfg.train.resume != "false" and not ck \
+        and cfg.sft.steps > 0 else None
+    if ck or warm:
+        checkpoint.check_resumable(ck or warm, cfg, tok)
     else:
         log.set_aside()
         if rank == 0 and (moved := checkpoint.set_aside(cfg.train.out_dir)):
@@ -206,7 +210,7 @@ def main():
         # the SFT warm start trains the full model, then LoRA adapts the warm weights: SkyRL's
         # LoRA recipe adapts an already instruction-tuned base, and a rank-r adapter on a random
         # tiny model learns little
-        sft.warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log)
+        sft.warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, resume_from=warm, stop=stop)
     # fp32 master weights on every world size; model.dtype is the compute dtype (FSDP2 casts).
     # LoRA: the base (model.path, or <out_dir>/base after a warm start) is frozen and shard()
     # keeps it in the compute dtype; only the fp32 adapters are masters
@@ -243,12 +247,17 @@ def main():
             grp["initial_lr"], grp["lr"] = o.lr, o.lr * f(scheduler.last_epoch)
         log.print(f"resumed from {ck} at step {step}")
     else:
-        if cfg.sft.steps > 0 and not use_lora:  # syncs the sampler before each of its evals
-            synced = sft.run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log)
+        if cfg.sft.steps > 0 and not use_lora:  # syncs the sampler before each of its evals; saves as it goes
+            synced = sft.run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log,
+                                 resume_from=warm, stop=stop)
         checkpoint.save(cfg.train.out_dir, 0, model, optimizer, scheduler, tok, cfg,
                         {"cursor": 0, "log_sizes": log.sizes()}, keep=cfg.train.keep_checkpoints)
+    if rank == 0:  # the warm start's save is superseded by ckpt_000000 (the weights GRPO starts from)
+        shutil.rmtree(Path(cfg.train.out_dir) / checkpoint.WARM_START, ignore_errors=True)
     if not synced:
         sampler.refresh(model)  # weight sync: the weights GRPO starts from
+    if sampler.warm_up_s:  # CUDA: the first refresh compiled (or loaded from disk) and captured the decode step
+        log.print(f"sampler: decode step compiled and captured in {sampler.warm_up_s:.1f} s")
     if step == 0:  # held-out EX before any GRPO step (after the warm start), beside the random floor
         warm = evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
         if rank == 0:
@@ -316,9 +325,10 @@ def main():
         path = checkpoint.save(cfg.train.out_dir, step, model, optimizer, scheduler, tok, cfg,
                                {"cursor": stream.cursor, "log_sizes": log.sizes()},
                                keep=cfg.train.keep_checkpoints) if saved_at != step else checkpoint.latest(cfg.train.out_dir)
-        log.print(runguard.stop_line(stopped, step, cfg.train.steps, path))
+        line = runguard.stop_line(stopped, step, cfg.train.steps, path)
+        log.print(line)
         close()
-        raise runguard.Stopped(stopped)
+        raise runguard.Stopped(stopped, line if rank == 0 else "")  # the line: torchrun's summary shows it too
     log.metrics(step, {plot.DONE: 1.0})  # the run's final line: plot.py --follow stops on it
     # the machine's speed beside the wall time: sampled tokens per rollout second (all ranks) and
     # tokens (prompt + response) through the update's forward + backward per update second

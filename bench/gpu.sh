@@ -2,6 +2,8 @@
 # GPU figures in short calls. A loan of the GPU machine is 15 minutes in all (its start included),
 # at most 10 per command, so the parts come in presets sized for one call each:
 #
+#   PARTS=engine bash bench/gpu.sh [OUT_DIR]   # 9 min of limits: the sampler at 0.5B and 7B, resume,
+#                                              #   memory per phase, the suite with CUDA visible
 #   PARTS=first bash bench/gpu.sh [OUT_DIR]    # ~8 min of limits: the run users will do
 #   PARTS=second bash bench/gpu.sh [OUT_DIR]   # 3 min: the suite, rollout vs generate, a decode profile
 #   PARTS="tests grpo_run" bash bench/gpu.sh   # any parts by name; PARTS=all: every part (~45 min)
@@ -12,6 +14,12 @@
 # part are repeated at the end (OUT_DIR/summary.txt). Random weights in real shapes, nothing
 # downloaded: the machine has no network.
 #
+# engine: (1) decode05, decode7b: PolicySampler decode at the Qwen2.5-0.5B and 7B shapes (random
+#   weights, bf16, B=64/256 and B=256, ~1k tokens of context), the whole-step graphs (the default)
+#   against the same step compiled first (sampling.compile_decode), with a profile of the largest
+#   batch: % of the measured HBM roofline (bench/policy_decode.py); (2) grpo_run then grpo_resume: the resumed process's first
+#   rollout against a steady one; (3) peaks per phase against memory_estimate, LoRA included
+#   (lora_run); (4) tests: the suite with CUDA visible, verbose. grpo_run is the first preset's run.
 # first: (a) grpo_run: train.py under torchrun, one GPU, configs/tiny.yaml's toy data with a
 #   Qwen2.5-0.5B body (24 layers, 896 wide, 14/2 heads, the toy's 1k vocabulary: ~0.36B params),
 #   bf16, CUDA graphs, FlexAttention paged decode, three turns: a short SFT warm start (the policy
@@ -38,10 +46,12 @@ SUMMARY="$OUT/summary.txt"
 SMOKE=${SMOKE:-0}
 RUNS=${RUNS:-runs}  # where the runs and the model go (the toy data: configs/tiny.yaml's runs/toy)
 
+ENGINE="decode05 decode7b grpo_run grpo_resume lora_run tests"
 FIRST="grpo_run grpo_resume decode lora_run"
 SECOND="tests rollout_vs_generate decode_profile"
-ALL="attention paged_attention sampler sampler_graphs rollout_scale train_step long_microbatch update_mfu $FIRST $SECOND"
+ALL="attention paged_attention sampler sampler_graphs rollout_scale train_step long_microbatch update_mfu decode05 decode7b $FIRST $SECOND"
 PARTS=${PARTS:-first}
+PARTS=${PARTS//engine/$ENGINE}
 PARTS=${PARTS//first/$FIRST}
 PARTS=${PARTS//second/$SECOND}
 PARTS=${PARTS//all/$ALL}
@@ -77,15 +87,28 @@ if [ "$SMOKE" = 1 ]; then
     SIZES="--sft.steps=2 --sft.batch_size=4 --grpo.prompts_per_step=2 --grpo.group_size=2 --data.max_eval_examples=2 \
         --sampling.max_new_tokens=8 --sampling.kv_budget_tokens=20000"
     DECODE="--smoke"
+    DECODE05="--smoke --profile"
+    DECODE7B="--smoke"
     STEPS=(1 2 1)
     LIMITS=(120 60 60 60)
+    DLIMITS=(60 60)
 else
     BODY="--model.tiny_hidden_size=896 --model.tiny_layers=24 --model.tiny_heads=14 --model.tiny_kv_heads=2 --model.tiny_intermediate_size=4864"
     SIZES="--sft.steps=40 --grpo.prompts_per_step=64 --data.max_eval_examples=64"
-    DECODE="--device cuda --shape qwen2.5-0.5b --batches 64,256"
+    DECODE="--device cuda --shape qwen2.5-0.5b --batches 64,256 --arms graphs,compiled"
+    DECODE05="--device cuda --shapes qwen2.5-0.5b --batches 64,256 --arms graphs,compiled --repeats 1 --profile"
+    DECODE7B="--device cuda --shapes qwen2.5-7b --batches 256 --arms graphs,compiled --repeats 1"
     STEPS=(3 4 2)
-    LIMITS=(200 70 100 80)
+    if ran decode05; then  # the engine preset: 540 s of limits in all (80 + 110 + 170 + 50 + 60 + 70)
+        LIMITS=(170 50 0 60); DLIMITS=(80 110); TESTS_LIMIT=70
+    else
+        LIMITS=(200 70 100 80); DLIMITS=(90 120)
+    fi
 fi
+# shellcheck disable=SC2086
+part decode05 "${DLIMITS[0]}" $PY bench/policy_decode.py $DECODE05
+# shellcheck disable=SC2086
+part decode7b "${DLIMITS[1]}" $PY bench/policy_decode.py $DECODE7B
 RUN_ARGS="configs/tiny.yaml --model.path=$RUNS/gpu/model05b $BODY --model.dtype=bfloat16 \
     --model.activation_checkpointing=true $SIZES --sft.lr=3e-4 --sft.stop_at_train_ex=0 --optim.lr=1e-5 \
     --grpo.dynamic_sampling=false --sampling.max_context=2048 --sampling.cuda_graphs=true \
@@ -101,7 +124,8 @@ fi
 # shellcheck disable=SC2086
 part grpo_resume "${LIMITS[1]}" $TORCHRUN $GPU_RUN --train.steps="${STEPS[1]}" --train.resume=true
 if ran grpo_resume && [ -f $RUNS/gpu_grpo/metrics.jsonl ]; then
-    $PY bench/run_summary.py $RUNS/gpu_grpo "$OUT/grpo_resume.txt" --prefix resumed | tee -a "$SUMMARY"
+    $PY bench/run_summary.py $RUNS/gpu_grpo "$OUT/grpo_resume.txt" --prefix resumed --from-step "${STEPS[0]}" \
+        | tee -a "$SUMMARY"
     cp $RUNS/gpu_grpo/metrics.jsonl "$OUT/grpo_metrics.jsonl"
 fi
 # shellcheck disable=SC2086
@@ -123,7 +147,7 @@ RVG="--model.path=${RVG_MODEL:-$RUNS/gpu/model05b}"
 # shellcheck disable=SC2086
 part rollout_vs_generate 60 $PY bench/rollout_vs_generate.py $RUN_ARGS $RVG
 # where a B=256 decode step's time goes
-if [ "$SMOKE" = 1 ]; then PROFILE="--smoke"; else PROFILE="--device cuda --shape qwen2.5-0.5b --batches 256 --paths flex --repeats 1"; fi
+if [ "$SMOKE" = 1 ]; then PROFILE="--smoke"; else PROFILE="--device cuda --shape qwen2.5-0.5b --batches 256 --arms graphs --repeats 1"; fi
 # shellcheck disable=SC2086
 part decode_profile 45 $PY bench/policy_decode.py $PROFILE --profile
 
@@ -131,11 +155,13 @@ part decode_profile 45 $PY bench/policy_decode.py $PROFILE --profile
 # the second preset and the rest (bench/RESULTS.md has each part's figures)
 
 # (1) tests: with xdist when present; distributed tests that need one GPU per rank skip themselves
-XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
+XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 12" || echo "")
 if [ "$SMOKE" = 1 ]; then  # the dry run only collects: it runs inside the suite itself
     part tests 100 $PY -m pytest --collect-only -q -p no:cacheprovider tests
 else
-    part tests 100 $PY -m pytest -v --tb=line -rfE -p no:cacheprovider $XDIST tests
+    # the files that use the GPU first: a part cut by its limit has named their results
+    part tests "${TESTS_LIMIT:-100}" $PY -m pytest -v --tb=line -rfE -p no:cacheprovider $XDIST tests/test_cuda.py \
+        tests/test_decode_step.py tests/test_engine.py tests/test_paged_attention.py tests/test_policy_sampler.py tests
 fi
 
 # (2) attention kernels

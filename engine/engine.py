@@ -61,8 +61,8 @@ class Engine:
             raise ValueError(f"sampling.decode_steps_per_sync={cfg.decode_steps_per_sync} must be >= 0 (0 = by device)")
         n_blocks = max(1, min(-(-cfg.kv_budget_tokens // bs), sum(-(-w // bs) for w in worst_case)))
         self.cache = PagedKVCache.for_model(model, n_blocks, bs, dtype or weight.dtype, cfg.paged_attention)
-        self.runner = ModelRunner(model, self.cache, cfg, stopper.candidates(model.config.vocab_size), greedy=greedy,
-                                  logits_hook=logits_hook)
+        self.runner = ModelRunner(model, self.cache, cfg, stopper.candidates(model.config.vocab_size),
+                                  window=window_steps(cfg, self.device), greedy=greedy, logits_hook=logits_hook)
         self.reset(stopper, worst_case=worst_case, greedy=greedy, logits_hook=logits_hook)
 
     def reset(self, stopper: StopChecker, *, worst_case: list[int], greedy: bool = False, logits_hook=None,

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.paged_attention import PagedBatch, PagedKVCache
-from engine.sampling import sample_next
+from engine.decode_step import DecodeState, decode_step
+from engine.sampling import SamplingParams, sample_next
 from engine.scheduler import Batch, Sequence
 
 
@@ -45,31 +46,41 @@ class DecodeWindow:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, cfg, candidates: torch.Tensor, *, greedy: bool = False,
-                 logits_hook=None):
+    def __init__(self, model, cache: PagedKVCache, cfg, candidates: torch.Tensor, *, window: int,
+                 greedy: bool = False, logits_hook=None):
         """cfg: config.SamplingConfig. candidates (V,) bool: tokens that may end a turn (EOS, stop
-        strings). logits_hook(logits (B, V), seqs) -> logits: tests and benchmarks."""
+        strings). window: the most decode steps between two host reads. logits_hook(logits (B, V),
+        seqs) -> logits: tests and benchmarks."""
         self.model, self.cache, self.cfg = model, cache, cfg
         self.device = cache.k.device
-        self.reset(candidates, greedy=greedy, logits_hook=logits_hook)
+        # on CUDA the step samples without a host read (rows it cannot settle are sampled after the
+        # window); on CPU a read is free, so every row is sampled exactly inside the step
+        self.on_device = self.device.type == "cuda"
         self.graphs = None
         if cfg.cuda_graphs and self.device.type == "cuda":
             from engine.cuda_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(model, cache, max_blocks=-(-cfg.max_context // cache.block_size))
+            self.graphs = DecodeGraphs(model, cache, -(-cfg.max_context // cache.block_size), window,
+                                       candidates.to(self.device), compile=cfg.compile_decode)
+        self.reset(candidates, greedy=greedy, logits_hook=logits_hook)
 
     def reset(self, candidates: torch.Tensor, *, greedy: bool = False, logits_hook=None) -> None:
-        """A new run: its turn-end candidates, greedy flag and hook; no device rows (the graphs stay)."""
+        """A new run: its turn-end candidates, sampling, greedy flag and hook; no device rows (the
+        graphs stay)."""
         self.greedy, self.hook = greedy, logits_hook
+        self.params = SamplingParams.of(self.cfg, greedy)
+        self.host_samples = 0  # tokens the device left to the host sampler (wide top-p nuclei)
         self.candidates = candidates.to(self.device)
+        if self.graphs is not None:
+            self.graphs.set_candidates(self.candidates)
         self.rows = DecodeRows(self.device, self.cache.block_size, self.cache.scratch)
 
     def sample(self, logits, keys, positions, seqs):
         """tokens (B,), logprobs (B,) for logits (B, V); positions: the sampled tokens' indices."""
         if self.hook is not None:
             logits = self.hook(logits, seqs)
-        c = self.cfg
-        return sample_next(logits, keys, positions, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-                           greedy=self.greedy)
+        p = self.params
+        return sample_next(logits, keys, positions, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                           greedy=p.greedy)
 
     # -------------------------------------------------------------------------
     # prefill: feed queued ids (a prompt, an observation, a recomputation) into the cache
@@ -123,36 +134,61 @@ class ModelRunner:
         B = len(seqs)
         # the most blocks any row attends over in this window: its last step's position
         blocks = min((max(s.num_cached for s in seqs) + steps - 1) // bs + 1, rows.tables.shape[1])
-        scratch_slot = self.cache.scratch * bs
-        active = torch.ones(B, dtype=torch.bool, device=self.device)  # not stopped yet
-        new = torch.zeros(B, dtype=torch.long, device=self.device)
-        sampled_tokens, sampled_logps = [], []
-        for _ in range(steps):
-            # (B,) where each row's input token goes; a stopped row's position may lie past its table
-            index = (rows.positions // bs).clamp(max=rows.tables.shape[1] - 1)
-            slots = rows.tables.gather(1, index[:, None]).squeeze(1) * bs + rows.positions % bs
-            slots = torch.where(active, slots, scratch_slot)  # a stopped row writes nowhere that counts
-            logits = None
-            if self.graphs is not None:
-                logits = self.graphs.run(rows.tokens, rows.positions, slots, rows.tables, blocks)
-            if logits is None:
-                cache = PagedBatch(self.cache, slots[:, None], rows.tables[:, :blocks])
-                logits = self.model.forward_paged(rows.tokens[:, None], rows.positions[:, None], cache)[:, -1]
-            tokens, logps = self.sample(logits, rows.keys, rows.positions + 1, seqs)  # (B,), (B,)
-            sampled_tokens.append(tokens)
-            sampled_logps.append(logps)
-            step = active.long()  # (B,) 1 where the row took this step's token
-            new += step
-            stops = active & (self.candidates[tokens] | (rows.left <= 1))
-            rows.tokens = torch.where(active, tokens, rows.tokens)
-            rows.positions = rows.positions + step
-            rows.left = rows.left - step
-            active = active & ~stops
-        # one host read: (B, steps) tokens and logprobs, tokens kept per row, stopped per row
-        packed = torch.cat([torch.stack(sampled_tokens, 1).double(), torch.stack(sampled_logps, 1).double(),
-                            new[:, None].double(), (~active)[:, None].double()], 1).cpu()
-        return DecodeWindow(packed[:, :steps].long().tolist(), packed[:, steps:2 * steps].tolist(),
-                            packed[:, -2].long().tolist(), (packed[:, -1] > 0).tolist())
+        state = None
+        if self.graphs is not None and self.hook is None and steps <= self.graphs.window:
+            state = self.graphs.load(rows.tokens, rows.positions, rows.keys, rows.left, rows.tables, blocks)
+        if state is not None:  # the static buffers of a graph bucket: K replays, nothing else
+            for _ in range(steps):
+                self.graphs.replay(state, self.params)
+        else:  # the same step, eagerly, on the rows' own tensors (updated in place)
+            state = DecodeState(rows.tokens, rows.positions, rows.keys, rows.left, rows.tables[:, :blocks],
+                                active=torch.ones(B, dtype=torch.bool, device=self.device),
+                                inexact=torch.zeros(B, dtype=torch.bool, device=self.device),
+                                new=torch.zeros(B, dtype=torch.long, device=self.device),
+                                step=torch.zeros((), dtype=torch.long, device=self.device),
+                                out_tokens=torch.zeros(B, steps, dtype=torch.long, device=self.device),
+                                out_logps=torch.zeros(B, steps, dtype=torch.float32, device=self.device))
+            hook = (lambda logits: self.hook(logits, seqs)) if self.hook is not None else None
+            for _ in range(steps):
+                decode_step(self.model, self.cache, state, self.candidates, self.params, on_device=self.on_device,
+                            logits_hook=hook)
+        # one host read: (B, steps) tokens and logprobs, tokens kept, stopped, left to the host sampler
+        packed = torch.cat([state.out_tokens[:B, :steps].double(), state.out_logps[:B, :steps].double(),
+                            state.new[:B, None].double(), (~state.active[:B])[:, None].double(),
+                            state.inexact[:B, None].double()], 1).cpu()
+        if state.tokens.data_ptr() != rows.tokens.data_ptr():  # graph buffers: the rows' state moved on there
+            rows.tokens, rows.positions, rows.left = state.tokens[:B].clone(), state.positions[:B].clone(), \
+                state.left[:B].clone()
+        window = DecodeWindow(packed[:, :steps].long().tolist(), packed[:, steps:2 * steps].tolist(),
+                              packed[:, -3].long().tolist(), (packed[:, -2] > 0).tolist())
+        inexact = (packed[:, -1] > 0).nonzero().squeeze(-1).tolist()
+        if inexact:
+            self._sample_exact(window, inexact)
+        return window
+
+    def _sample_exact(self, window: DecodeWindow, inexact: list[int]) -> None:
+        """The rows whose last step drew a top-p sample the device could not settle (a nucleus wider
+        than the prefilter): sample that token exactly on the host and append it. The row's input
+        token was written to the cache by that step, so its logits are recomputed with the new K/V
+        sent to the scratch block."""
+        rows, bs = self.rows, self.cache.block_size
+        self.host_samples += len(inexact)
+        sel = torch.tensor(inexact, device=self.device)
+        tokens, positions, keys = rows.tokens[sel], rows.positions[sel], rows.keys[sel]
+        blocks = min(int(positions.max()) // bs + 1, rows.tables.shape[1])
+        slots = torch.full((len(inexact), 1), self.cache.scratch * bs, dtype=torch.long, device=self.device)
+        cache = PagedBatch(self.cache, slots, rows.tables[sel, :blocks])
+        logits = self.model.forward_paged(tokens[:, None], positions[:, None], cache)[:, -1]
+        p = self.params
+        token, logp = sample_next(logits, keys, positions + 1, temperature=p.temperature, top_p=p.top_p,
+                                  top_k=p.top_k, greedy=p.greedy)
+        rows.tokens[sel], rows.positions[sel], rows.left[sel] = token, positions + 1, rows.left[sel] - 1
+        for i, t, lp in zip(inexact, token.tolist(), logp.double().tolist()):
+            n = window.new[i]
+            window.tokens[i] = window.tokens[i][:n] + [t]
+            window.logprobs[i] = window.logprobs[i][:n] + [lp]
+            window.new[i] = n + 1
+            window.stopped[i] = True  # the host checks whether the token ended the turn
 
 
 # -----------------------------------------------------------------------------

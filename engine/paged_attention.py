@@ -57,6 +57,9 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size, self.scratch = block_size, n_blocks
+        # (rows, blocks): the fixed shapes flex decode is padded to inside a compiled step with dynamic
+        # sizes (set by cuda_graphs.DecodeGraphs when it compiles); None: the batch's own
+        self.static_flex: tuple[int, int] | None = None
         self.attention = resolve(attention, self.k.device, block_size)
         self.fallback = attention == "auto"  # flex failing to build falls back to gather (warned)
 
@@ -215,8 +218,14 @@ def flex_block_mask(cache: PagedKVCache, tables: torch.Tensor, positions: torch.
     B, NB = tables.shape
     bs, dev = cache.block_size, tables.device
     cuda = dev.type == "cuda"
-    rows = max(BATCH_FLOOR, 1 << (B - 1).bit_length()) if cuda else B
-    width = NB if cuda else cache.scratch + 1
+    if torch.compiler.is_compiling() and cache.static_flex:
+        # inside the compiled decode step (cuda_graphs.py), whose batch and block counts are dynamic:
+        # flex gets fixed shapes, the most rows and blocks a graph holds (padding rows read no block;
+        # inductor's flex lowering of dynamic sizes failed on torch 2.11: "name 'Min' is not defined")
+        rows, width = cache.static_flex
+    else:
+        rows = max(BATCH_FLOOR, 1 << (B - 1).bit_length()) if cuda else B
+        width = NB if cuda else cache.scratch + 1
     n = (positions // bs + 1).clamp(max=NB)  # (B,) blocks row b reads
     counts = torch.zeros(rows, 1, 1, dtype=torch.int32, device=dev)
     counts[:B, 0, 0] = n.to(torch.int32)
@@ -256,6 +265,9 @@ def flex_decode(q, k_pool, v_pool, block_mask, block_size: int) -> torch.Tensor:
     k = k_pool.view(1, -1, Hk, D).transpose(1, 2)  # (1, Hk, pool tokens, D): a view, batch broadcast
     v = v_pool.view(1, -1, Hk, D).transpose(1, 2)
     kind = q.device.type
+    if torch.compiler.is_compiling():  # inside the compiled decode step (cuda_graphs.py): traced with it
+        options = {"BLOCK_N": min(block_size, 64)} if kind == "cuda" else None
+        return _decode(qf, k, v, block_mask, options)[:B].reshape(B, 1, H, D)
     if kind not in _FLEX:
         _FLEX[kind] = torch.compile(_decode, dynamic=True)
         # one compile per (batch bucket, dtype) on CUDA: past dynamo's recompile limit (8) a call would

@@ -15,6 +15,8 @@ Tests: .venv/bin/pytest tests/test_rollout.py
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # -----------------------------------------------------------------------------
@@ -62,6 +64,22 @@ def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 # sampling
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a run samples (config.SamplingConfig's fields, or greedy); hashable: a CUDA graph of the
+    decode step is captured per value."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+
+    @classmethod
+    def of(cls, cfg, greedy: bool = False) -> "SamplingParams":
+        if greedy or cfg.temperature <= 0:  # one greedy mode, whatever the other fields say
+            return cls(greedy=True)
+        return cls(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k))
+
+
 PREFILTER = 128  # top-p ranks only each row's PREFILTER most likely tokens (a partial sort);
 # a row whose nucleus is wider than that (a flat distribution) is ranked by a full sort instead
 
@@ -74,19 +92,37 @@ def sample_next(logits, keys, positions, *, temperature=1.0, top_p=1.0, top_k=0,
     distribution sampled from; with truncation the sampled distribution is this one renormalised
     over the kept tokens. Greedy returns the argmax and its temperature-1 logprob.
 
+    sample_on_device below, then the rows it could not settle sampled exactly (exact_rows: a full
+    sort); finding them is one host read (free on a CPU; on CUDA a sync). The decode step, which
+    runs inside a CUDA graph, calls sample_on_device alone and leaves those rows to the host.
+    """
+    tok, logp, exact = sample_on_device(logits, keys, positions, temperature=temperature, top_p=top_p,
+                                        top_k=top_k, greedy=greedy)
+    if exact is not None and not bool(exact.all()):  # the host read
+        rows = (~exact).nonzero().squeeze(-1)
+        tok[rows], logp[rows] = exact_rows(logits[rows], keys[rows], positions[rows], temperature, top_p)
+    return tok, logp
+
+
+def sample_on_device(logits, keys, positions, *, temperature=1.0, top_p=1.0, top_k=0, greedy=False):
+    """sample_next without a host read: (tokens (B,), logprobs (B,), exact (B,) bool or None).
+
+    Rows where exact is False hold no valid sample: their top-p nucleus is wider than the
+    PREFILTER tokens ranked here (or its edge is tied with a token left out), and only a full
+    sort settles them (exact_rows). None: every row is exact (no top-p ranking was needed).
+
     The kept tokens are ranked by probability and u picks by inverse CDF in that order. Top-p
     never sorts the whole vocabulary: it ranks the top PREFILTER tokens (torch.topk) and, when
     their mass reaches top_p (the nucleus closes inside them, the common case), the prefix, its
-    cumulative sums and so the token are those a full sort gives; only the other rows are sorted
-    in full. That check is one host read per call (free on a CPU; on CUDA a sync). Equal logits
-    rank by ascending token id (a stable sort: an unstable one left their order to the
-    implementation, so a tie could pick another of the equally likely tokens than before).
+    cumulative sums and so the token are those a full sort gives. Equal logits rank by ascending
+    token id (a stable sort: an unstable one left their order to the implementation, so a tie
+    could pick another of the equally likely tokens than before).
     """
     logits = logits.float()
     if greedy or temperature <= 0:
         tok = logits.argmax(-1)  # (B,) first index on ties, as HF greedy
         logp = logits.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
-        return tok, logp
+        return tok, logp, None
     scaled = logits if temperature == 1.0 else logits / temperature  # (B, V)
     u = uniforms(keys, positions)[:, None]  # (B, 1)
     V = scaled.shape[-1]
@@ -96,29 +132,34 @@ def sample_next(logits, keys, positions, *, temperature=1.0, top_p=1.0, top_k=0,
         j = _inverse_cdf(_top_p_keep(probs, top_p), u, truncated=False)
         # logprob under the full temperature distribution, not the top-k one
         logp = probs.gather(-1, j).log().squeeze(-1) + torch.logsumexp(ranked, -1) - torch.logsumexp(scaled, -1)
-        return idx.gather(-1, j).squeeze(-1), logp
+        return idx.gather(-1, j).squeeze(-1), logp, None
     if top_p >= 1.0:  # the whole distribution in vocabulary order: no ranking at all
         probs = scaled.softmax(-1)
         j = _inverse_cdf(probs, u, truncated=False)
-        return j.squeeze(-1), probs.gather(-1, j).log().squeeze(-1)
+        return j.squeeze(-1), probs.gather(-1, j).log().squeeze(-1), None
     if PREFILTER >= V:
-        return _sorted_top_p(scaled, u, top_p)
+        tok, logp = _sorted_top_p(scaled, u, top_p)
+        return tok, logp, None
     probs = scaled.softmax(-1)  # (B, V)
     values, head = scaled.topk(PREFILTER + 1, -1)  # (B, P + 1) descending, equal logits in no set order
     last, after = values[:, PREFILTER - 1:].unbind(-1)
-    idx = head[:, :PREFILTER]
-    if (values[:, 1:PREFILTER] == values[:, :PREFILTER - 1]).any():
-        idx = _by_logit(scaled, idx)  # (B, P) ranked as the full sort ranks them
+    idx = _by_logit(scaled, head[:, :PREFILTER])  # (B, P) ranked as the full sort ranks them
     ranked = probs.gather(-1, idx)  # (B, P) descending
     keep = _top_p_keep(ranked, top_p)
     j = _inverse_cdf(keep, u, truncated=True)  # (B, 1)
     tok, logp = idx.gather(-1, j).squeeze(-1), ranked.gather(-1, j).log().squeeze(-1)
-    # (B,) the nucleus goes on past the top P, or the P-th logit is tied with one left out
-    wide = (ranked.cumsum(-1)[:, -1] < top_p) | (last == after)
-    if wide.any():
-        rows = wide.nonzero().squeeze(-1)
-        tok[rows], logp[rows] = _sorted_top_p(scaled[rows], u[rows], top_p)
-    return tok, logp
+    # (B,) the nucleus closes inside the top P, and the P-th logit is not tied with one left out
+    exact = (ranked.cumsum(-1)[:, -1] >= top_p) & (last != after)
+    return tok, logp, exact
+
+
+def exact_rows(logits, keys, positions, temperature: float, top_p: float):
+    """Top-p by a full sort for the rows sample_on_device left unsettled: logits (R, V), keys and
+    positions (R,) -> tokens (R,), logprobs (R,) (the same uniform as every other path)."""
+    scaled = logits.float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    return _sorted_top_p(scaled, uniforms(keys, positions)[:, None], top_p)
 
 
 def _top_p_keep(probs, top_p):

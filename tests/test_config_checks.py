@@ -102,6 +102,41 @@ def test_keys_that_must_agree(overrides, match):
         config_checks.validate(C.load_config(overrides))
 
 
+# Each rule between keys at its boundary: the equal (or just-inside) value passes or fails as the
+# rule's words say ("must hold", "at least", "not above": equal passes; "below", "above", "> 1":
+# equal fails), and one step past the boundary fails
+@pytest.mark.parametrize("overrides,world,error", [
+    (["--grpo.prompts_per_step=2"], 2, None),  # one prompt per rank
+    (["--grpo.prompts_per_step=3"], 2, "grpo.prompts_per_step=3 must be divisible by the world size 2"),
+    (["--grpo.prompts_per_step=16"], 16, None),
+    (["--grpo.dual_clip_c=1.0"], 1, r"grpo.dual_clip_c must be 0 \(off\) or > 1, got 1.0"),
+    (["--grpo.dual_clip_c=1.01"], 1, None),
+    (["--grpo.rollout_is_low=2", "--grpo.rollout_is_high=2"], 1, r"rollout_is_low \(2.0\) must be below"),
+    (["--grpo.rollout_is_low=1.99", "--grpo.rollout_is_high=2"], 1, None),
+    (["--sampling.kv_budget_tokens=2000", "--sampling.max_context=2000"], 1, None),
+    (["--sampling.kv_budget_tokens=1999", "--sampling.max_context=2000"], 1, "kv_budget_tokens=1999 must hold"),
+    (["--reward.correct=0.5", "--reward.wrong=0.5"], 1, r"reward.correct \(0.5\) must be above"),
+    (["--reward.correct=0.51", "--reward.wrong=0.5"], 1, None),
+    (["--reward.dense_step_min=0.5", "--reward.dense_step_max=0.5"], 1, None),
+    (["--reward.dense_step_min=0.51", "--reward.dense_step_max=0.5"], 1, "dense_step_min .* not be above"),
+    # fetch_rows against both protocols' shown rows: the tags one (max_result_rows) and the actions
+    # protocol's own QUERY limit (actions_max_result_rows), whichever is larger
+    (["--env.fetch_rows=50", "--env.max_result_rows=50", "--env.actions_max_result_rows=20"], 1, None),
+    (["--env.fetch_rows=49", "--env.max_result_rows=50", "--env.actions_max_result_rows=20"], 1,
+     "env.fetch_rows=49 must be at least"),
+    (["--env.fetch_rows=60", "--env.max_result_rows=10", "--env.actions_max_result_rows=60"], 1, None),
+    (["--env.fetch_rows=59", "--env.max_result_rows=10", "--env.actions_max_result_rows=60"], 1,
+     r"env.fetch_rows=59 must be at least .* env.actions_max_result_rows \(60\)"),
+])
+def test_rules_between_keys_at_their_boundaries(overrides, world, error):
+    cfg = C.load_config(overrides)
+    if error is None:
+        config_checks.validate(cfg, world)
+    else:
+        with pytest.raises(C.ConfigError, match=error):
+            config_checks.validate(cfg, world)
+
+
 def test_a_yaml_syntax_error_is_one_line_with_its_place(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("grpo:\n  group_size: 4\n  loss: [grpo\n")

@@ -1,7 +1,7 @@
 """distributed.close(): the last call of train.py, eval.py and the 2-rank checks.
 
 It runs in a fresh process (the test session's own process group stays up for other tests): a
-one-rank gloo group, a collective, close(). After it the group is gone, a second close() does
+one-rank group (gloo, or NCCL where a GPU is visible), a collective, close(). After it the group is gone, a second close() does
 nothing, and the process exits 0. The 2-rank checks (tests/*_dist_check.py, train.py under
 torchrun in test_train.py) end with it too; before it, 7 of 40 runs of one aborted at exit.
 
@@ -16,8 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = """
 import torch, torch.distributed as dist
 from trainer import distributed
-distributed.setup_dist(60)
-t = torch.ones(3)
+rank, world, device = distributed.setup_dist(60)
+t = torch.ones(3, device=device)  # NCCL (a GPU visible) takes device tensors only
 dist.all_reduce(t)
 distributed.close()
 assert not dist.is_initialized(), "close() left the process group up"

@@ -444,3 +444,82 @@ def test_decode_window_reservation_equals_growing_every_row():
         assert taken == free[1] - b2.num_free and taken <= need  # rows sharing a tail: only the first copies
         assert [s.block_table for s in s1.running] == [s.block_table for s in s2.running]
         assert b1.pending_copies() == b2.pending_copies() and b1.refs == b2.refs
+
+
+# -----------------------------------------------------------------------------
+# memory pressure, through the engine's public API: who is preempted, and no block outlives its rows
+
+
+def blocks_held(seqs) -> int:
+    """Distinct KV blocks in the sequences' tables (a block shared copy-on-write counts once)."""
+    return len(set().union(*(s.block_table for s in seqs)))
+
+
+def test_the_latest_admitted_sequence_is_preempted_first(tok_model):
+    """Three prompts admitted A, B, C (A the longest, C the shortest) into a pool that holds their
+    prompts but not their turns: the first sequence evicted is C, the latest admitted (not the one
+    holding the most blocks, not the oldest), and the others decode on untouched."""
+    from engine.engine import Engine
+    from engine.scheduler import Sequence
+    tok, model = tok_model
+    prompts = [list(range(3, 3 + n)) for n in (14, 10, 6)]  # A, B, C
+    cfg = scfg(max_new_tokens=16, block_size=4, kv_budget_tokens=4 * 12)  # 12 blocks; the turns need 6+7+4+...
+    with Engine(model, cfg, StopChecker(None, [], []), worst_case=[len(p) + 16 for p in prompts]) as engine:
+        seqs = [Sequence(list(p), key=row_key(0, i), index=i) for i, p in enumerate(prompts)]
+        engine.add(seqs)
+        first = engine.step()  # one prefill admits all three, in order
+        assert first == [] and [s.status for s in seqs] == ["running"] * 3
+        evicted = []
+        while engine.busy() and not evicted:
+            cached = [s.num_cached for s in seqs]
+            for s in engine.step():
+                engine.finish(s)
+            evicted = [s.index for s, before in zip(seqs, cached)
+                       if before and s.num_cached == 0 and s.status != "done"]
+        assert evicted == [2] and engine.evictions == 1, evicted
+        assert [s.status for s in seqs[:2]] == ["running"] * 2  # A and B kept their blocks
+        while engine.busy():
+            for s in engine.step():
+                engine.finish(s)
+        assert all(s.status == "done" and len(s.ids) == len(p) + 16 for s, p in zip(seqs, prompts))
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("block_size", [4, 5])
+def test_shared_blocks_are_freed_once_no_row_holds_them(tok_model, block_size):
+    """Many multi-turn episodes whose G samples share their prompt's blocks (the partly filled
+    last one copied on write), in a pool far too small, so rows are evicted, recomputed and paused
+    over and over: after every step the pool's used blocks are exactly those the live rows' tables
+    hold (a block freed while a row holds it, or held by no row, breaks it), and once every row has
+    finished the whole pool is free. A leak would show only as a pool that runs dry in a long run."""
+    from engine.engine import Engine
+    from engine.scheduler import Sequence
+    tok, model = tok_model
+    G, turns, new = 3, 3, 6
+    prompts = [list(range(3, 3 + n)) for n in (11, 9, 13, 7)]  # last blocks partly filled: copy on write
+    longest = max(len(p) for p in prompts) + turns * (new + 2)
+    cfg = scfg(max_new_tokens=new, block_size=block_size, kv_budget_tokens=3 * longest)
+    rnd = random.Random(block_size)
+    with Engine(model, cfg, StopChecker(None, [], []), worst_case=[longest] * (G * len(prompts))) as engine:
+        seqs = [Sequence(list(p), key=row_key(1, i * G + j), index=i * G + j) for i, p in enumerate(prompts)
+                for j in range(G)]
+        engine.add(seqs)
+        paused, steps = [], 0
+        while engine.busy() or paused:
+            for s in engine.step():
+                paused.append(s)
+            steps += 1
+            # the caller keeps some paused rows a while (tool calls), then continues or ends them
+            for s in [s for s in paused if rnd.random() < 0.5]:
+                paused.remove(s)
+                if s.num_turns < turns:
+                    s.ids += [5, 6]  # an observation
+                    s.loss_mask += [0, 0]
+                    s.logprobs += [0.0, 0.0]
+                    engine.add([s])
+                else:
+                    engine.finish(s)
+            assert engine.blocks.num_used == blocks_held(seqs), steps
+        assert engine.evictions > 0 and all(s.status == "done" and s.num_turns == turns for s in seqs)
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+        assert engine.blocks.peak_used <= engine.blocks.num_blocks

@@ -434,6 +434,33 @@ def test_step_batch_actions(tiny_db):
     assert env.STOP_STRINGS["actions"] == ["</action>"] and env.STOP_STRINGS["tags"] == ["</sql>", "</solution>"]
 
 
+def table_rows(observation: str) -> list[str]:
+    """The data rows of a one-column table observation (after its header `id`)."""
+    body = observation.split("<observation>", 1)[1].split("\n<reminder>", 1)[0]
+    lines = body.splitlines()
+    return lines[lines.index("id") + 1:]
+
+
+def test_actions_row_limits_at_their_boundaries(tiny_db):
+    """The actions protocol's own row limits, from its config: QUERY shows at most
+    env.actions_max_result_rows rows (exactly that many: all, no note; one more: the first that many
+    and a note with the count, "or more" past env.fetch_rows), SAMPLE shows env.sample_rows rows (its
+    own LIMIT, not the QUERY cap), and the tags protocol's <sql> has no row cap."""
+    cfg = EnvConfig(protocol="actions", tool_timeout_s=T, actions_max_result_rows=7, sample_rows=9, fetch_rows=30)
+    texts = ["<action>QUERY SELECT id FROM singer LIMIT 7</action>",
+             "<action>QUERY SELECT id FROM singer LIMIT 8</action>",
+             "<action>QUERY SELECT id FROM singer</action>", "<action>SAMPLE singer</action>"]
+    exact, one_more, past_fetch, sample = env.step_batch([tiny_db] * 4, texts, [3] * 4, cfg)
+    assert table_rows(exact.observation) == [str(i) for i in range(7)] and "Showing" not in exact.observation
+    assert table_rows(one_more.observation) == [str(i) for i in range(7)]
+    assert "Showing the first 7 of 8 rows." in one_more.observation
+    assert "Showing the first 7 of 30 or more rows." in past_fetch.observation
+    assert len(table_rows(past_fetch.observation)) == 7 and len(past_fetch.result.rows) == 30  # fetched: 30
+    assert sample.observation.count(" | s") == 9 and "Showing" not in sample.observation
+    tags = env.step_batch([tiny_db], ["<sql>SELECT id FROM singer</sql>"], [3], EnvConfig(tool_timeout_s=T))[0]
+    assert table_rows(tags.observation) == [str(i) for i in range(60)]
+
+
 def test_a_fresh_pool_boots_before_the_first_deadline_starts(tiny_db):
     """A new process's first query must not spend its deadline waiting for the worker processes to
     boot: a resumed run starts a fresh pool at its first tool call, the straight run had booted its

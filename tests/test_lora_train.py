@@ -173,7 +173,7 @@ def test_lora_run_resumes_exactly_and_its_adapter_loads_in_peft(tmp_path):
     ck = run / "ckpt_000004"
     assert sorted(x.name for x in (ck / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     # the optimizer state holds the adapters only
-    osd = torch.load(ck / "trainer.pt", weights_only=False)["optimizer"]
+    osd = torch.load(ck / "trainer.pt", weights_only=True)["optimizer"]  # plain data: no object unpickled
     assert osd["state"] and all(".lora_A." in k or ".lora_B." in k for k in osd["state"])
 
     # resume from step 2 of a copy: identical adapters and per-step metrics after it

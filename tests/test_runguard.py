@@ -75,6 +75,33 @@ def test_run_main_turns_endings_into_one_line_and_a_status(capsys, monkeypatch):
     assert capsys.readouterr().err == "config error: x\n"  # the interrupt is rank 0's to print
 
 
+def test_run_main_writes_the_line_to_torchruns_error_file(tmp_path, monkeypatch):
+    """Under torchrun (TORCHELASTIC_ERROR_FILE set per rank) the line run_main prints is also this
+    rank's error file, whose message torchrun's failure summary shows (read and formatted here by
+    torch's own ProcessFailure and ChildFailedError, as its agent does); a bug of ours writes its
+    traceback, as @record does. Without torchrun nothing is written."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def raises(e):
+        def main():
+            raise e
+        return main
+
+    def shown(exitcode):  # what the summary prints for this rank's failure
+        summary = ChildFailedError("train.py", {0: ProcessFailure(0, 1, exitcode, str(error_file))}).format_msg()
+        return summary.split("traceback : ", 1)[1].rsplit("\n=====", 1)[0]
+    error_file = tmp_path / "error.json"
+    assert runguard.run_main(raises(C.ConfigError("x"))) == 1 and not error_file.exists()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    assert runguard.run_main(raises(C.ConfigError("grpo.group_size must be >= 2, got 1"))) == 1
+    assert shown(1) == "config error: grpo.group_size must be >= 2, got 1"
+    assert runguard.run_main(raises(runguard.Stopped(signal.SIGTERM, "stopped (SIGTERM) after step 3 of 9"))) == 143
+    assert shown(143) == "stopped (SIGTERM) after step 3 of 9"
+    with pytest.raises(ZeroDivisionError):
+        runguard.run_main(lambda: 1 / 0)
+    assert shown(1).startswith("Traceback") and "1 / 0" in shown(1) and "ZeroDivisionError" in shown(1)
+
+
 def test_stop_signals_at_once_then_at_a_step_boundary():
     import torch
     handlers = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
@@ -220,8 +247,16 @@ def rank_frames(out: str) -> bool:
     return f'File "{ROOT / "train.py"}"' in out or "Connection closed by peer" in out
 
 
+def root_cause(out: str) -> str:
+    """The message torchrun's failure summary shows under "Root Cause" (its `traceback :` field)."""
+    assert "Root Cause (first observed failure):" in out, out[-3000:]
+    entry = out.split("Root Cause (first observed failure):", 1)[1]
+    return entry.split("traceback : ", 1)[1].split("\n=====", 1)[0]
+
+
 def test_torchrun_a_data_error_is_one_line_from_rank_0(assets, tmp_path):
-    """Data errors were two ~50-line rank tracebacks; now one line, once (rank 1 says nothing)."""
+    """Data errors were two ~50-line rank tracebacks; now one line, once (rank 1 says nothing),
+    and torchrun's summary shows the same line as its root cause."""
     d, settings = assets
     lines = (d / "toy" / "train.jsonl").read_text().splitlines()
     bad = tmp_path / "train.jsonl"
@@ -229,9 +264,23 @@ def test_torchrun_a_data_error_is_one_line_from_rank_0(assets, tmp_path):
     p = torchrun(tiny_args(d, settings) + [f"--data.train_path={bad}", "--data.prepare_toy=false"], tmp_path / "run")
     out, _ = p.communicate(timeout=300)
     assert p.returncode != 0
-    assert out.count(f"data error: {bad}:4: not valid JSON") == 1, out[-3000:]
+    line = next(x for x in out.splitlines() if x.startswith(f"data error: {bad}:4: not valid JSON"))
+    assert out.splitlines().count(line) == 1 and root_cause(out) == line, out[-3000:]
     assert not rank_frames(out), out[-3000:]
     assert not list((tmp_path / "run").glob("ckpt_*"))  # before the warm start
+
+
+def test_torchrun_summary_names_our_config_error(tmp_path):
+    """A bad config: our one line, and torchrun's "Root Cause" (the last thing a user reads) shows it
+    through rank 0's error file instead of "To enable traceback see: <docs link>"."""
+    p = torchrun(["--grpo.group_size=1"], tmp_path / "run")
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode != 0
+    line = ("config error: grpo.group_size must be >= 2, got 1 (advantages compare the samples of a prompt: "
+            "one sample has advantage 0 and nothing is learned)")
+    assert out.splitlines().count(line) == 1 and root_cause(out) == line, out[-3000:]
+    assert "To enable traceback" not in out and not rank_frames(out), out[-3000:]
+    assert not (tmp_path / "run").exists()  # nothing ran
 
 
 def test_torchrun_ctrl_c_then_kill_9_of_torchrun(assets, tmp_path):

@@ -1,8 +1,8 @@
 """The trainer end to end: GRPO raises reward on a trivial task (signs, masks, normalisation),
 the SFT gold trajectories mask exactly the model side, a 2-process torchrun run works, and a
 killed run resumes to bit-identical weights."""
-import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -23,7 +23,7 @@ from trainer import run_log
 import sft
 from toy import tiny
 import train
-from conftest import ROOT, grpo_update, torchrun_env
+from conftest import ROOT, build_tiny_assets, grpo_update, torchrun_env
 from model import Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -100,7 +100,8 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
     from sqltask import dataset
     cfg = C.load_config([f"--sft.stop_at_train_ex={threshold}", "--sft.stop_check_every=10", "--sft.steps=40",
                          "--sft.batch_size=4", "--data.prompt_template=compact", f"--data.db_root={tmp_path}",
-                         "--wandb.mode=disabled", "--train.threads=1"])
+                         "--wandb.mode=disabled", "--train.threads=1",
+                         f"--train.out_dir={tmp_path}/run"])  # the warm start saves there
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=300)
     checks, steps = [], []
     curve = {10: 0.1, 20: 0.5, 30: 0.85}  # the stubbed training EX at each check
@@ -111,7 +112,7 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
     real_step = optim.step_optimizer
     monkeypatch.setattr(optim, "step_optimizer", lambda *a: steps.append(1) or real_step(*a))
     monkeypatch.setattr(sft, "evaluate", fake_evaluate)
-    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    log = run_log.Log(cfg, 0)
     model = Transformer.from_pretrained(path)
     sampler = CountingSampler()
     synced = sft.run_sft(model, sampler, tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log)
@@ -150,7 +151,8 @@ def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, monkeypatch,
     cfg = C.load_config(["--sft.stop_at_train_ex=0.4", "--sft.stop_at_train_recovery=0.25", "--sft.steps=40",
                          f"--sft.stop_check_from={check_from}",
                          "--sft.stop_check_every=10", "--sft.batch_size=4", "--data.prompt_template=compact",
-                         f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1"])
+                         f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1",
+                         f"--train.out_dir={tmp_path}/run"])  # the warm start saves there
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=300)
     checks = []
 
@@ -159,7 +161,7 @@ def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, monkeypatch,
         ex, recovery = curve[step]
         return {f"{prefix}/ex": ex, **({f"{prefix}/recovery_rate": recovery} if recovery is not None else {})}
     monkeypatch.setattr(sft, "evaluate", fake_evaluate)
-    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    log = run_log.Log(cfg, 0)
     sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
                 torch.device("cpu"), log)
     assert checks == [c for c in range(10, (stops_at or 30) + 1, 10) if c >= check_from]
@@ -182,7 +184,8 @@ def test_sft_checks_finer_near_the_threshold(tmp_path, tiny_model, monkeypatch, 
     cfg = C.load_config(["--sft.stop_at_train_ex=0.5", "--sft.stop_check_every=10", "--sft.steps=40",
                          f"--sft.stop_near_ex={near}", f"--sft.stop_check_every_near={every_near}",
                          "--sft.batch_size=4", "--data.prompt_template=compact", f"--data.db_root={tmp_path}",
-                         "--wandb.mode=disabled", "--train.threads=1"])
+                         "--wandb.mode=disabled", "--train.threads=1",
+                         f"--train.out_dir={tmp_path}/run"])  # the warm start saves there
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=300)
     curve = {10: 0.1, 20: 0.3, 22: 0.35, 24: 0.45, 26: 0.55, 28: 0.7, 30: 0.85}  # a steep climb
     seen = []
@@ -191,12 +194,87 @@ def test_sft_checks_finer_near_the_threshold(tmp_path, tiny_model, monkeypatch, 
         seen.append(step)
         return {f"{prefix}/ex": curve[step]}
     monkeypatch.setattr(sft, "evaluate", fake_evaluate)
-    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    log = run_log.Log(cfg, 0)
     sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
                 torch.device("cpu"), log)
     assert seen == checks
     stops = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "sft/stopped_at" in line]
     assert [m["sft/stopped_at"] for m in stops] == [stops_at]
+
+
+def near_grid_cfg(tmp_path, *extra):
+    """The toy set at tmp_path and a warm start of 40 steps with a coarse (10) and a fine (near 0.3)
+    check grid, stopping at training EX 0.5; extra: more --key=value overrides."""
+    from toy.prepare_toy import prepare_toy
+    prepare_toy(str(tmp_path), seed=0)
+    from sqltask import dataset
+    cfg = C.load_config(["--sft.stop_at_train_ex=0.5", "--sft.stop_check_every=10", "--sft.steps=40",
+                         "--sft.stop_near_ex=0.3", "--sft.batch_size=4", "--data.prompt_template=compact",
+                         f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1",
+                         f"--train.out_dir={tmp_path}/run", *extra])
+    return cfg, dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=300)
+
+
+def stops_logged(out_dir) -> list:
+    return [m["sft/stopped_at"] for m in read_metrics(out_dir) if "sft/stopped_at" in m]
+
+
+def test_sft_check_grid_returns_to_the_coarse_one_when_ex_falls_back(tmp_path, tiny_model, monkeypatch):
+    """The fine grid lasts while the last check is at or above sft.stop_near_ex: a check that falls
+    back below it returns to stop_check_every (training EX is noisy on 128 questions), and a later
+    check near it again returns to the fine grid. Each grid is the multiples of its step count."""
+    path, tok = tiny_model
+    cfg, train_ex = near_grid_cfg(tmp_path, "--sft.stop_check_every_near=3")
+    curve = {10: 0.1, 20: 0.35, 21: 0.25, 30: 0.4, 33: 0.6}  # near at 20, below at 21, near at 30, stop at 33
+    seen = []
+    monkeypatch.setattr(sft, "evaluate", lambda sampler, tok, exs, cfg, rank, world, device, log, step,
+                        prefix="eval": seen.append(step) or {f"{prefix}/ex": curve[step]})
+    sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
+                torch.device("cpu"), run_log.Log(cfg, 0))
+    assert seen == [10, 20, 21, 30, 33] and stops_logged(tmp_path / "run") == [33]
+
+
+def test_sft_resumes_its_weights_and_its_check_grid(tmp_path, tiny_model, monkeypatch):
+    """A warm start killed at step 24 (after its save at step 22, on the fine grid) and resumed
+    from that save checks where the run that was never stopped checks (24, 26: a resume on the
+    coarse grid would check 30 next), stops at the same step and ends with the same weights
+    (the weights, AdamW moments, schedule and data order all came back)."""
+    path, tok = tiny_model
+    cfg, train_ex = near_grid_cfg(tmp_path, "--sft.stop_check_every_near=2", "--sft.save_every=2")
+    curve = {10: 0.1, 20: 0.3, 22: 0.35, 24: 0.45, 26: 0.55, 28: 0.7, 30: 0.85}
+    seen = []
+
+    class Killed(Exception):
+        pass
+
+    def fake_evaluate(sampler, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
+        if step == kill_at:
+            raise Killed
+        seen.append(step)
+        return {f"{prefix}/ex": curve[step]}
+    monkeypatch.setattr(sft, "evaluate", fake_evaluate)
+
+    def warm_start(resume_from=None):
+        model = Transformer.from_pretrained(path)
+        sft.run_sft(model, CountingSampler(), tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), run_log.Log(cfg, 0),
+                    resume_from=resume_from)
+        return model
+
+    kill_at = None
+    straight = warm_start().state_dict()
+    assert seen == [10, 20, 22, 24, 26] and stops_logged(tmp_path / "run") == [26]
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    seen.clear()
+    kill_at = 24
+    with pytest.raises(Killed):
+        warm_start()
+    save = checkpoint.warm_start_save(str(tmp_path / "run"))
+    assert torch.load(f"{save}/trainer.pt", weights_only=True)["step"] == 22
+    kill_at = None
+    resumed = warm_start(resume_from=save).state_dict()
+    assert seen == [10, 20, 22, 24, 26] and stops_logged(tmp_path / "run") == [26]
+    for name, w in straight.items():
+        assert torch.equal(w, resumed[name]), name
 
 
 def test_stop_check_questions_from_unseen_databases():
@@ -230,13 +308,13 @@ def test_stop_check_unseen_on_a_small_training_set_uses_trained_questions(tmp_pa
     cfg = C.load_config(["--sft.stop_at_train_ex=0.4", "--sft.stop_check_unseen=true", "--sft.steps=10",
                          "--sft.stop_check_every=5", "--sft.stop_check_questions=8", "--sft.batch_size=4",
                          "--data.prompt_template=compact", f"--data.db_root={tmp_path}", "--wandb.mode=disabled",
-                         "--train.threads=1"])
+                         "--train.threads=1", f"--train.out_dir={tmp_path}/run"])
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=40)
     assert len({ex["db_id"] for ex in train_ex}) < sft.UNSEEN_MIN_DATABASES
     probes = []
     monkeypatch.setattr(sft, "evaluate", lambda sampler, tok, exs, *a, prefix="eval", **k:
                         probes.append([ex["id"] for ex in exs]) or {f"{prefix}/ex": 0.0})
-    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    log = run_log.Log(cfg, 0)
     printed = []
     monkeypatch.setattr(log, "print", printed.append)
     sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
@@ -253,12 +331,13 @@ def test_sft_loss_runs_in_training_mode(tmp_path, tiny_model, monkeypatch):
     prepare_toy(str(tmp_path), seed=0)
     from sqltask import dataset
     cfg = C.load_config(["--sft.steps=2", "--sft.batch_size=4", "--data.prompt_template=compact",
-                         f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1"])
+                         f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1",
+                         f"--train.out_dir={tmp_path}/run"])  # the warm start saves there
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=16)
     modes, real_loss = [], sft.sft_loss_sum
     monkeypatch.setattr(sft, "sft_loss_sum", lambda model, *a, **kw: modes.append(model.training) or
                         real_loss(model, *a, **kw))
-    log = run_log.Log(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "run"))), 0)
+    log = run_log.Log(cfg, 0)
     model = Transformer.from_pretrained(path)
     sft.run_sft(model, CountingSampler(), tok, train_ex, [], cfg, 0, 1, torch.device("cpu"), log)
     assert modes and all(modes) and not model.training
@@ -410,6 +489,121 @@ def test_kill_and_resume_is_exact(tmp_path):
     assert a == b
     # the rollouts and updates after resume were the same too: identical per-step training metrics
     assert_resumed_steps_learn_alike(tmp_path / "straight", tmp_path / "killed", (3, 4))
+
+
+# -----------------------------------------------------------------------------
+# train.main's loop with a scripted sampler: what the keep mask passes to the update, and when the
+# weights are synced to the sampler
+
+
+@pytest.fixture(scope="module")
+def loop_assets(tmp_path_factory):
+    return ["--" + a for a in build_tiny_assets(tmp_path_factory.mktemp("loop"))]
+
+
+def weights(model) -> dict:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+class ScriptedSampler:
+    """Stands in for trainer/policy_sampler.PolicySampler in train.main. Its rollout (rollout.rollout,
+    patched: it finds the sampler as the engine it is handed) returns G one-token episodes per
+    example, each tagged (round, example id, sample) (a round = one rollout call within a step);
+    `reward_of(round, i, j)` scores sample j of the round's i-th example (written in the episode's
+    text for the patched reward). Each refresh records the policy's weights, and each rollout
+    whether it samples the current ones."""
+
+    def __init__(self, model, cfg, dtype=None):
+        self.model, self.synced, self.rounds, self.current, self.asked = model, [], 0, [], []
+        self.engine, self.refreshed, self.warm_up_s = self, True, 0.0
+        ScriptedSampler.made.append(self)
+
+    def refresh(self, model):
+        self.synced.append(weights(model))
+
+    def rollout(self, examples, n):
+        self.asked.append([ex["id"] for ex in examples])
+        now = weights(self.model)
+        self.current.append(all(torch.equal(now[k], v) for k, v in self.synced[-1].items()))
+        trajs = []
+        for i, ex in enumerate(examples):
+            for j in range(n):
+                t = rollout.Trajectory.of([1, 2], [1, 2, 3], [0, 0, 1], [0.0, 0.0, -1.0], num_turns=1, index=i,
+                                          sample=j)
+                t.tag, t.text = (self.rounds, ex["id"], j), str(float(self.reward_of(self.rounds, i, j)))
+                trajs.append(t)
+        self.rounds += 1
+        return trajs
+
+
+def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *args):
+    """train.main with the scripted sampler; the update records the episodes and advantages it is
+    given (policy_update.update, per mini-batch); optim.step_optimizer returns the next of
+    `grad_norms` and, when finite, moves every weight (a skipped step moves none). Returns (the
+    sampler, [(tags, advantages) per update])."""
+    from reward import Reward
+    from trainer import policy_update
+    ScriptedSampler.made, ScriptedSampler.reward_of = [], staticmethod(reward_of)
+    updates, norms = [], iter(grad_norms)
+
+    def step_optimizer(model, opt, sch, cfg):
+        g = next(norms)
+        if math.isfinite(g):
+            with torch.no_grad():
+                for q in model.parameters():
+                    q.add_(0.01)
+        return g
+    monkeypatch.setattr(train, "PolicySampler", ScriptedSampler)
+    monkeypatch.setattr(rollout, "rollout", lambda model, tok, examples, *a, n=1, engine=None, **k:
+                        engine.rollout(examples, n))
+    monkeypatch.setattr(rollout, "episode_rewards", lambda scripts, *a: [
+        Reward(float(t.response), float(t.response) > 0, True) for t in scripts])
+    monkeypatch.setattr(sft, "evaluate", lambda *a, **k: {"eval/ex": 0.0})
+    monkeypatch.setattr(train, "evaluate", lambda *a, **k: {"eval/ex": 0.0})
+    monkeypatch.setattr(train, "report_random_floor", lambda *a, **k: None)
+    monkeypatch.setattr(policy_update, "batch_tokens", lambda model, ref, trajs, advantages, cfg, device: advantages)
+    monkeypatch.setattr(policy_update, "update", lambda model, trajs, idx, adv, loss, cfg, world, device, sums:
+                        updates.append(([trajs[i].tag for i in idx], [float(adv[i][0]) for i in idx])))
+    monkeypatch.setattr(optim, "step_optimizer", step_optimizer)
+    monkeypatch.setattr(sys, "argv", ["train.py", "configs/tiny.yaml", *assets, "--sft.steps=0", "--train.threads=0",
+                                      "--train.eval_every=0", "--train.sample_every=0", "--data.max_train_examples=16",
+                                      "--data.max_eval_examples=2", "--env.workers=1", "--grpo.group_size=2",
+                                      "--grpo.prompts_per_step=4", "--train.max_bad_steps=10",
+                                      f"--train.out_dir={tmp_path}/run", *args])
+    train.main()
+    return ScriptedSampler.made[0], updates
+
+
+def test_dynamic_sampling_updates_exactly_the_mixed_groups_whole_and_in_order(tmp_path, monkeypatch, loop_assets):
+    """grpo.dynamic_sampling: the loop keeps the groups whose rewards differ, whole (both samples),
+    in the order sampled, across a resample round, and cuts to prompts_per_step groups; each kept
+    episode's advantage has the sign of its reward against its group's mean."""
+    mixed = {0: {0, 2}, 1: {1, 2, 3}}  # round -> the examples whose two samples get different rewards
+    sampler, updates = run_scripted_loop(
+        monkeypatch, tmp_path, loop_assets, lambda rnd, i, j: int(j == 0) if i in mixed[rnd] else 0, [1.0],
+        "--grpo.dynamic_sampling=true", "--grpo.max_resample_rounds=2", "--train.steps=1")
+    assert sampler.rounds == 2  # round 0 kept 2 groups of 4, round 1 three more: no third round
+    (tags, adv), = updates
+    asked = sampler.asked  # the examples of each round, in order
+    kept = [(0, asked[0][0]), (0, asked[0][2]), (1, asked[1][1]), (1, asked[1][2])]  # the 4th mixed one: cut
+    assert tags == [(rnd, ex_id, j) for rnd, ex_id in kept for j in (0, 1)]
+    assert [a > 0 for a in adv] == [True, False] * 4 and abs(sum(adv)) < 1e-5
+
+
+def test_weights_are_synced_after_a_batch_whose_steps_moved_them(tmp_path, monkeypatch, loop_assets):
+    """grpo.mini_batches 2: two optimizer steps per batch. A batch whose first step was skipped as
+    non-finite and second moved the weights (or the other way round) is synced before the next
+    rollout; a batch whose steps were all skipped is not (the sampler already holds those weights).
+    Every rollout samples the policy's current weights."""
+    sampler, updates = run_scripted_loop(
+        monkeypatch, tmp_path, loop_assets, lambda rnd, i, j: j,
+        [math.nan, 1.0, 1.0, math.nan, math.nan, math.nan, 1.0, 1.0],  # two optimizer steps per batch
+        "--grpo.dynamic_sampling=false", "--grpo.mini_batches=2", "--train.steps=4")
+    assert len(updates) == 8 and sampler.rounds == 4
+    assert sampler.current == [True] * 4  # each step's rollout sampled the weights of the step before
+    assert len(sampler.synced) == 1 + 3  # before the first rollout, then after steps 1, 2 and 4 (not 3)
+    assert not torch.equal(sampler.synced[1]["embed_tokens.weight"], sampler.synced[0]["embed_tokens.weight"])
 
 
 def test_memory_estimate_of_the_7b_recipe_fits_80gb():

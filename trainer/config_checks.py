@@ -131,6 +131,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "sft.stop_check_questions": (">= 1", ""),
     "sft.stop_near_ex": ("[0, 1]", "a fraction; 0 = off"),
     "sft.stop_check_every_near": (">= 0", "0 = off"),
+    "sft.save_every": (">= 0", "0 = at its end and at a stop only"),
     "train.steps": (">= 0", ""),
     "train.seed": (">= 0", ""),
     "train.log_every": (">= 1", ""),

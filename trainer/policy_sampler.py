@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from engine.engine import Engine
-from engine.sampling import StopChecker
+from engine.sampling import SamplingParams, StopChecker
 from trainer import lora
 from trainer.distributed import fsdp_modules, unsharded_class
 
@@ -59,6 +59,7 @@ class PolicySampler:
         sampler = cls.__new__(cls)
         sampler._keep(model, cfg, dtype)
         sampler.refreshed = True
+        sampler._warm_up()
         return sampler
 
     def _keep(self, model, cfg, dtype):
@@ -68,6 +69,15 @@ class PolicySampler:
         # the pool: the whole budget, allocated once (an empty stop rule until the first rollout)
         self.engine = Engine(self.model, cfg, StopChecker(None, [], []), worst_case=[cfg.kv_budget_tokens],
                              dtype=dtype)
+        self.warm_up_s = 0.0
+
+    def _warm_up(self) -> None:
+        """CUDA graphs of a compiled step: compile it (inductor's on-disk cache makes a resumed
+        process's compile a load) for the run's sampling and for greedy evals, once the copy holds
+        real weights (the warm-up's K/V go to the scratch block, which must stay finite)."""
+        graphs = self.engine.runner.graphs
+        if graphs is not None and graphs.compiled:
+            self.warm_up_s = graphs.warm_up([SamplingParams.of(self.cfg), SamplingParams.of(self.cfg, greedy=True)])
 
     @torch.no_grad()
     def refresh(self, model) -> None:
@@ -95,7 +105,9 @@ class PolicySampler:
             finally:
                 if units:
                     unit.reshard()
-        self.refreshed = True
+        if not self.refreshed:
+            self.refreshed = True
+            self._warm_up()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

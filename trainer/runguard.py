@@ -5,15 +5,18 @@ at a step boundary, ranks that stop with their launcher, and one line per user e
         sys.exit(runguard.run_main(main))          # a user error: one line on rank 0, exit 1
     lock = runguard.lock_out_dir(out_dir)          # rank 0, before the process group: one run per out_dir
     runguard.stop_with_launcher()                  # torchrun's ranks: SIGTERM to self when torchrun is gone
-    stop = runguard.StopSignals()                  # SIGINT/SIGTERM: stop at once (before the loop) ...
+    stop = runguard.StopSignals()                  # SIGINT/SIGTERM: stop at once (set-up) ...
     stop.at_step_boundary()                        # ... or, from here, at the next step boundary
+    stop.at_once()                                 # ... or at once again (between warm start and loop)
     if stop.requested(device): ...                 # collective: every rank stops at the same step
 
 User errors (config.ConfigError, dataset.DatasetError, RunError) are the same on every rank (the
 config, the files, the out_dir), so rank 0 prints the line and the other ranks print nothing:
 torchrun sends them SIGTERM as soon as rank 0 exits. A rank that meets one alone (rank 0 did not
 exit within REPORT_WAIT_S) prints its own. Anything else is a bug of ours: its traceback, on
-every rank that has it.
+every rank that has it. Under torchrun the rank that prints also writes the line to its error file
+(TORCHELASTIC_ERROR_FILE, the convention torch's @record follows), so the "Root Cause" of the
+summary torchrun prints last shows our line, not a link to its docs (a bug: its traceback).
 
 torchrun starts each rank in a session of its own (setsid): a Ctrl-C reaches torchrun only, which
 passes the signal on to every rank and, 30 s later (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), SIGKILLs the
@@ -24,6 +27,7 @@ Tests: .venv/bin/pytest tests/test_runguard.py
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import socket
@@ -57,11 +61,11 @@ class Interrupted(BaseException):
 
 
 class Stopped(Exception):
-    """Raised by train.py after a stop at a step boundary, its checkpoint saved and its line printed."""
+    """Raised by train.py after a stop at a step boundary, its checkpoint saved and `line` printed."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, line: str = ""):
         super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+        self.signum, self.line = signum, line
 
 
 def launch_rank() -> int:
@@ -93,18 +97,44 @@ def run_main(main, *args) -> int:
         if rank != 0:
             _wait_for_rank0()
         print(f"{prefix}: {e}", file=sys.stderr, flush=True)
+        report_to_launcher(f"{prefix}: {e}")
         return 1
     except Stopped as e:
+        if e.line:
+            report_to_launcher(e.line)
         return 128 + e.signum
     except Interrupted as e:
         if rank == 0:
-            print(f"interrupted ({signal.Signals(e.signum).name}): stopped at once, nothing saved since the last "
-                  "checkpoint", file=sys.stderr, flush=True)
+            line = (f"interrupted ({signal.Signals(e.signum).name}): stopped at once, nothing saved since the last "
+                    "checkpoint")
+            print(line, file=sys.stderr, flush=True)
+            report_to_launcher(line)
         return 128 + e.signum
-    except Exception:
+    except Exception as e:
         if rank != 0 and _signal_seen:  # rank 0 stopped on the signal first and this rank's collective
             return 128 + _signal_seen[0]  # broke off ("Connection closed by peer"): rank 0 has said it
+        report_to_launcher(f"{type(e).__name__}: {e}", traceback=True)
         raise
+
+
+def report_to_launcher(line: str, traceback: bool = False):
+    """Under torchrun: write `line` to this rank's error file (TORCHELASTIC_ERROR_FILE, set by torchrun),
+    which its failure summary shows as the "Root Cause" (the first failed rank's file), in the form
+    torch's @record writes. The summary shows its py_callstack, else its message: traceback=True
+    (inside an `except`) adds the traceback, as @record does. Without torchrun: nothing."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    extra = {"timestamp": str(int(time.time()))}
+    if traceback:
+        import traceback as tb
+        extra["py_callstack"] = tb.format_exc()
+    data = {"message": {"message": line, "extraInfo": extra}}
+    try:
+        with open(path, "w") as fh:
+            json.dump(data, fh)
+    except OSError:  # the summary then falls back to torchrun's own text: not worth failing over
+        pass
 
 
 def _wait_for_rank0():
@@ -197,10 +227,11 @@ def stop_with_launcher(poll_s: float = 0.5) -> bool:
 
 
 class StopSignals:
-    """SIGINT and SIGTERM handlers. At first (set-up, warm start) a signal stops at once: Interrupted
-    (run_main prints one line on rank 0). After at_step_boundary(), the first signal only asks to
-    stop: requested() agrees on it over all ranks at the end of a step, and train.py saves a
-    checkpoint and stops; a second signal stops at once."""
+    """SIGINT and SIGTERM handlers. At first (set-up) a signal stops at once: Interrupted (run_main
+    prints one line on rank 0). After at_step_boundary() (the warm start's steps, then GRPO's), the
+    first signal only asks to stop: requested() agrees on it over all ranks at the end of a step,
+    and the loop saves and stops; a second signal stops at once. at_once() goes back to the first
+    mode (set-up between the warm start and the GRPO loop)."""
 
     def __init__(self):
         self.graceful, self.signum = False, 0
@@ -224,6 +255,13 @@ class StopSignals:
     def at_step_boundary(self):
         self.graceful = True
 
+    def at_once(self):
+        """Back to stopping at once (the warm start is over, the GRPO loop has not begun); a signal
+        noted since the last requested() stops now."""
+        self.graceful = False
+        if self.signum:
+            raise Interrupted(self.signum)
+
     def requested(self, device) -> int:
         """Collective: the signal some rank received (0 if none), the same on every rank."""
         import torch
@@ -240,7 +278,7 @@ def _restore_handlers(previous: dict):
             signal.signal(sig, handler)
 
 
-def stop_line(signum: int, step: int, steps: int, checkpoint: str) -> str:
-    """What rank 0 prints after a stop at a step boundary."""
+def stop_line(signum: int, step: int, steps: int, checkpoint: str, what: str = "step") -> str:
+    """What rank 0 prints after a stop at a step boundary (what: "warm-start step" in the warm start)."""
     why = "the launcher is gone" if launcher_gone.is_set() else signal.Signals(signum).name
-    return f"stopped ({why}) after step {step} of {steps}: saved {checkpoint}; the same command resumes from it"
+    return f"stopped ({why}) after {what} {step} of {steps}: saved {checkpoint}; the same command resumes from it"
