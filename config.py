@@ -7,17 +7,16 @@ and the closest valid ones.
 
     python config.py                      # print every key with its default
     python config.py configs/tiny.yaml    # print the resolved config of a file (+ overrides), checked
-Value ranges and consistency between keys: config_checks.py.
+Loading (YAML, overrides, types): trainer/config_loader.py; value ranges and consistency between
+keys: trainer/config_checks.py.
 """
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import sys
 from dataclasses import dataclass, field
-from typing import Any
 
-import yaml
+from trainer import config_loader
+from trainer.config_loader import ConfigError, dump, to_dict  # noqa: F401 (the config's API in one place)
 
 
 def choice(default, *options, help=""):
@@ -45,7 +44,7 @@ class ModelConfig:
     # --against block). Same shards and checkpoints either way.
     fsdp_unit: str = choice("block", "block", "model")
     fp32_lm_head: bool = False  # bf16 runs: LM head matmul + log-softmax of the loss in fp32
-    # LoRA (lora.py): 0 = full fine-tune; > 0 freezes the base and trains rank-r adapters
+    # LoRA (trainer/lora.py): 0 = full fine-tune; > 0 freezes the base and trains rank-r adapters
     lora_rank: int = 0
     lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # on the adapters' input, training only
@@ -63,7 +62,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = "runs/toy/train.jsonl"  # canonical jsonl (see dataset.py)
+    train_path: str = "runs/toy/train.jsonl"  # canonical jsonl (see sqltask/dataset.py)
     eval_path: str = "runs/toy/eval.jsonl"
     db_root: str = "runs/toy"  # records' db_path is relative to this folder
     prepare_toy: bool = True  # generate the toy set at db_root if train_path is absent
@@ -179,7 +178,7 @@ class GRPOConfig:
     kl_beta: float = 0.0  # > 0 loads a frozen reference model (k3 KL)
     loss_agg: str = choice("token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo")
     drgrpo_max_len: int = 0  # L in Dr. GRPO's sum/(B*L); 0 = max_context
-    # sampler vs trainer logprob correction (rollout_correction.py): weight min(r, cap) or drop
+    # sampler vs trainer logprob correction (trainer/rollout_correction.py): weight min(r, cap) or drop
     # outside [low, high] with r = π_old/π_rollout per token or per sequence; geo-mask drops a
     # sequence whose geometric-mean r leaves [1 - delta, 1 + delta]
     rollout_is: str = choice("none", "none", "token-tis", "seq-tis", "token-mis", "seq-mis", "geo-mask")
@@ -196,6 +195,11 @@ class GRPOConfig:
     max_resample_rounds: int = 3
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per rollout batch per epoch
+    # turn credit (grpo.token_advantages): > 0 adds a per-turn reward of this size to the first tool
+    # turn whose observation shows a value the gold answer needs (a quoted literal of the gold SQL
+    # the question does not spell out), credited to that turn and the turns before it; 0 = off (the
+    # episode's advantage on every token). README "Fork for an ablation" has the sweep against 0
+    lookup_bonus: float = 0.0
 
 
 @dataclass
@@ -211,7 +215,7 @@ class OptimConfig:
     micro_batch_tokens: int = 16384  # tokens per forward/backward micro-batch
     # packed rows of at most this many tokens, several per micro-batch (0: one row per micro-batch).
     # 0 is best on both devices: CUDA's FlexAttention skips masked blocks, and CPU attention runs per
-    # sequence (packed_attention.py), never over a row's T² pairs
+    # sequence (trainer/packed_attention.py), never over a row's T² pairs
     pack_row_tokens: int = 0
 
 
@@ -301,200 +305,29 @@ class Config:
 
 
 # -----------------------------------------------------------------------------
-# loading
-
-
-class ConfigError(ValueError):
-    pass
-
-
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # what model.lora_targets may name
-
-
-def lora_targets(model_cfg) -> tuple[str, ...]:
-    """model.lora_targets parsed, in LORA_TARGETS order; ConfigError naming the key for an unknown
-    name or none (lora.LoraSpec and config_checks both read it through this)."""
-    names = [t.strip() for t in str(model_cfg.lora_targets).split(",") if t.strip()]
-    bad = [t for t in names if t not in LORA_TARGETS]
-    if bad or not names:
-        raise ConfigError(f"model.lora_targets: {bad or 'empty'} not in {list(LORA_TARGETS)} "
-                          f"(comma-separated, e.g. 'q,v' or 'q,k,v,o,gate,up,down')")
-    return tuple(t for t in LORA_TARGETS if t in names)
-
-
-def _fields(dc) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(dc)}
-
-
-def all_keys(cfg: Config | None = None) -> dict[str, Any]:
-    """Flat {"group.key": value} of a config (defaults if none given)."""
-    cfg = cfg or Config()
-    return {f"{g}.{k}": v for g, grp in to_dict(cfg).items() for k, v in grp.items()}
-
-
-# old key -> new key: a config written before a rename fails naming the new key
-RENAMED = {
-    "env.max_rows": "env.max_result_rows",
-    "env.actions_max_rows": "env.actions_max_result_rows",
-    "sampling.max_rows": "sampling.max_decode_rows",
-}
-
-
-def _unknown(key: str, valid: list[str]) -> ConfigError:
-    if key in RENAMED:
-        return ConfigError(f"config key '{key}' was renamed {RENAMED[key]}; did you mean {RENAMED[key]}?")
-    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
-    if not close:  # also try the last part alone, e.g. "cliphigh" -> grpo.clip_high
-        tail = key.split(".")[-1]
-        close = [k for k in valid if difflib.get_close_matches(tail, [k.split(".")[-1]], cutoff=0.6)][:3]
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    return ConfigError(f"unknown config key '{key}'{hint} (python config.py lists all keys)")
-
-
-def _coerce(key: str, value: Any, f: dataclasses.Field, from_string: bool) -> Any:
-    """Check `value` against the type of the field's default; strings from the CLI are parsed."""
-    default = f.default
-    want = type(default)
-    if isinstance(value, str) and want is float:  # YAML 1.1 reads "3e-4" as a string
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if from_string and isinstance(value, str) and want is not str:
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config key '{key}': cannot parse {value!r}: {e}") from None
-    if want is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"config key '{key}' wants a bool (true/false), got {value!r}")
-    elif want is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer() and not from_string:
-                value = int(value)
-            else:
-                raise ConfigError(f"config key '{key}' wants an int, got {value!r}")
-    elif want is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"config key '{key}' wants a float, got {value!r}")
-        value = float(value)
-    elif want is str:
-        if value is None:
-            value = ""
-        if isinstance(value, bool) and f.metadata.get("choices"):  # YAML `resume: true`
-            value = "true" if value else "false"
-        if not isinstance(value, str):
-            raise ConfigError(f"config key '{key}' wants a string, got {value!r}")
-    choices = f.metadata.get("choices")
-    if choices and value not in choices:
-        raise ConfigError(f"config key '{key}' must be one of {list(choices)}, got {value!r}")
-    return value
-
-
-def apply(cfg: Config, flat: dict[str, Any], from_string: bool = False) -> Config:
-    """Set dotted keys on cfg in place, type-checked. Returns cfg."""
-    valid = list(all_keys(cfg))
-    groups = _fields(cfg)
-    for key, value in flat.items():
-        parts = key.split(".")
-        if len(parts) != 2 or parts[0] not in groups:
-            raise _unknown(key, valid)
-        grp = getattr(cfg, parts[0])
-        fs = _fields(grp)
-        if parts[1] not in fs:
-            raise _unknown(key, valid)
-        setattr(grp, parts[1], _coerce(key, value, fs[parts[1]], from_string))
-    return cfg
-
-
-def _flatten_yaml(d: Any, path: str) -> dict[str, Any]:
-    if not isinstance(d, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of groups, got {type(d).__name__}")
-    out = {}
-    for g, sub in d.items():
-        if isinstance(sub, dict):
-            for k, v in sub.items():
-                if isinstance(v, dict):
-                    raise ConfigError(f"{path}: '{g}.{k}' is nested too deep (groups have plain values)")
-                out[f"{g}.{k}"] = v
-        else:
-            out[str(g)] = sub  # rejected by apply() with a hint
-    return out
-
-
-def yaml_error_text(e: yaml.YAMLError) -> str:
-    """A YAML syntax error on one line: 'line L, column C: what' (PyYAML prints it over ~6 lines)."""
-    mark = getattr(e, "problem_mark", None)
-    what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
-    return f"YAML syntax error at line {mark.line + 1}, column {mark.column + 1}: {what}" if mark else \
-        f"YAML syntax error: {what}"
+# loading (trainer/config_loader.py)
 
 
 def load_config(argv: list[str] | None = None, base: Config | None = None) -> Config:
     """argv: [config.yaml] [--group.key=value ...] (a YAML path is optional), applied over `base`
     (default: the defaults; eval.py passes a checkpoint's saved config)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cfg = base if base is not None else Config()
-    files = [a for a in argv if not a.startswith("--")]
-    overrides = [a for a in argv if a.startswith("--")]
-    if len(files) > 1:
-        raise ConfigError(f"expected at most one config file, got {files}")
-    for path in files:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = yaml.safe_load(fh) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read config file {path}: {e}") from None
-        except yaml.YAMLError as e:  # a scanner/parser error: say where, on one line
-            raise ConfigError(f"{path}: {yaml_error_text(e)}") from None
-        apply(cfg, _flatten_yaml(data, path))
-    flat = {}
-    for a in overrides:
-        if "=" not in a:
-            raise ConfigError(f"override '{a}' must look like --group.key=value")
-        k, v = a[2:].split("=", 1)
-        flat[k] = v
-    return apply(cfg, flat, from_string=True)
+    return config_loader.load(base if base is not None else Config(), sys.argv[1:] if argv is None else argv)
 
 
-def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    return dataclasses.asdict(cfg)
+def all_keys(cfg: Config | None = None) -> dict:
+    """Flat {"group.key": value} of a config (the defaults if none given)."""
+    return config_loader.all_keys(cfg if cfg is not None else Config())
 
 
 def from_dict(d: dict) -> Config:
-    """Rebuild a Config from to_dict() output (e.g. a checkpoint's config.yaml). A key renamed
-    since the checkpoint was written is read under its new name, so older runs still resume."""
-    flat = {RENAMED.get(k, k): v for k, v in _flatten_yaml(d, "<dict>").items()}
-    return apply(Config(), flat)
-
-
-# keys a resumed run may change: length, cadence, output, logging and the FSDP2 unit layout (the same
-# shards either way), never the recipe
-RESUMABLE_KEYS = {"train.steps", "train.log_every", "train.sample_every", "train.sample_rows", "train.eval_every",
-                  "train.save_every",
-                  "train.keep_checkpoints", "train.resume", "train.out_dir", "train.threads",
-                  "train.dist_timeout_s", "train.max_bad_steps", "wandb.mode", "wandb.project", "wandb.name",
-                  "model.build_tiny", "data.prepare_toy", "env.workers", "model.lora_save_merged",
-                  "model.fsdp_unit", "sft.save_every"}
-
-
-def changed_keys(saved: Config, current: Config) -> list[str]:
-    """Keys whose values differ between a checkpoint's config and this run's, minus RESUMABLE_KEYS."""
-    a, b = all_keys(saved), all_keys(current)
-    return [k for k in a if a[k] != b[k] and k not in RESUMABLE_KEYS]
-
-
-def dump(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    """A Config from to_dict() output (a checkpoint's config.yaml; renamed keys read as their new names)."""
+    return config_loader.from_dict(Config(), d)
 
 
 if __name__ == "__main__":
-    import config  # the module config_checks raises from (this file runs as __main__)
-    import config_checks  # value ranges and consistency (world size 1)
+    from trainer import config_checks  # value ranges and consistency (world size 1)
     try:
-        c = config_checks.validate(config.load_config())
-    except config.ConfigError as e:
+        c = config_checks.validate(load_config())
+    except ConfigError as e:
         sys.exit(f"error: {e}")
-    print(config.dump(c), end="")
+    print(dump(c), end="")

@@ -1,11 +1,11 @@
 """The SQL tool as the model sees it: the two dialogue protocols (SkyRL tags, sql_env actions),
-observations, and one environment step for a batch of rows. Execution is sandbox.py's (hardened
+observations, and one environment step for a batch of rows. Execution is sqltask/sandbox.py's (hardened
 read-only SQLite in a killable worker pool); run_sql, run_sql_batch and SqlResult are re-exported.
 
     python env.py DB.sqlite "SELECT ..."     # run one query through the sandbox, print the observation
 
 API: parse_turn -> Action; step_batch -> StepResult; format_observation; table_names_text;
-step_record; STOP_STRINGS (for the sampler); run_sql / run_sql_batch -> SqlResult (sandbox.py).
+step_record; STOP_STRINGS (for the sampler); run_sql / run_sql_batch -> SqlResult (sqltask/sandbox.py).
 Tests: .venv/bin/pytest tests/test_env.py
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sandbox import SqlResult, run_sql, run_sql_batch  # noqa: F401 (re-exported: the tool's API in one place)
+from sqltask.sandbox import SqlResult, run_sql, run_sql_batch  # noqa: F401 (re-exported: the tool's API in one place)
 
 if TYPE_CHECKING:  # keep the import light (config pulls in yaml)
     from config import EnvConfig
@@ -198,11 +198,13 @@ def step_batch(db_paths: list, texts: list[str], turns_left: list[int], cfg: Env
 
 def step_record(step: StepResult) -> dict:
     """One env step as Trajectory.steps keeps it: what reward.py's dense shaping needs (actions
-    protocol) and first_query_bad's row count (any protocol)."""
+    protocol), first_query_bad's row count (any protocol) and the observation's text (the turn
+    credit of grpo.lookup_bonus reads it; "" when the step ended the episode)."""
     r = step.result
     return {"kind": step.action.kind, "arg": step.action.arg, "ok": bool(r and r.ok),
             "rows": list(r.rows) if (r and r.ok and step.action.kind == "query") else None,
-            "n_rows": len(r.rows) if (r and r.ok) else None}  # the error-recovery rate's
+            "n_rows": len(r.rows) if (r and r.ok) else None,  # the error-recovery rate's
+            "observation": step.observation}
 
 
 def first_query_bad(steps: list[dict]) -> bool:

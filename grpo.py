@@ -1,18 +1,14 @@
-"""GRPO's algorithm side: group advantages, dynamic-sampling filter, the policy loss family
-(PPO-clip GRPO, GSPO, GSPO-token, CISPO) with optional rollout importance correction.
+"""GRPO's algorithm side: which groups a step keeps, the credit (each loss token's advantage), the
+policy loss family (PPO-clip GRPO, GSPO, GSPO-token, CISPO) with optional rollout importance
+correction. Tensor functions on typed inputs; the step that calls them is train.grpo_step
+(sample, reward, keep mask, credit, update, sync), and the update's plumbing that feeds the loss
+its LossInputs is trainer/policy_update.py.
 
-Pure tensor functions, no model and no process group needed (except `global_norm`, which
-all-reduces when one is initialised). One optimizer step of the trainer looks like:
-
-    adv = advantages(rewards, G, mode=cfg.advantage, eps=cfg.adv_eps)     # global rewards (P*G,)
-    norm = global_norm([mb.mask for mb in my_micro_batches], cfg.loss_agg)  # all ranks, all mbs
-    for mb in my_micro_batches:                     # same count on every rank (FSDP collectives)
-        logp, ent = model(mb.ids, targets=mb.targets, temperature=T)       # (B, T) each
-        loss, metrics = policy_loss(logp, mb.old_logp, mb.adv, mb.mask, ref_logp=mb.ref_logp,
-                                    rollout_logp=mb.rollout_logp, norm=norm, entropy=ent,
-                                    **loss_kwargs(cfg, max_len))
-        (loss * world_size).backward()              # see "normalisation contract" below
-    optimizer.step()
+Where to edit for an ablation:
+  - the credit (per-token or per-turn advantages): `token_advantages` (and one grpo.* config key);
+    `turn_rewards` is the worked example (grpo.lookup_bonus);
+  - the loss: `policy_loss` (one LossInputs of (B, T) tensors in, a scalar and metrics out);
+  - which groups train: `keep_mask`.
 
 Normalisation contract. `policy_loss` returns Σ_{its tokens or sequences} ℓ / norm where `norm`
 is the *global* normaliser of this optimizer step (masked tokens for token-mean, sequences
@@ -29,11 +25,15 @@ its place in `norm` (its loss is multiplied by 0). tests/test_grpo_losses.py che
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rollout_correction import RolloutIS, is_weights, mismatch_metrics, seq_mean
+from trainer.distributed import all_gather_list
+from trainer.policy_update import LossInputs
+from trainer.rollout_correction import RolloutIS, is_weights, mismatch_metrics, seq_mean
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo")
 
@@ -71,14 +71,6 @@ def advantages(rewards: Tensor, group_size: int, mode: str = "group", eps: float
     return (centered / (std + eps)).view(-1)
 
 
-def dynamic_sampling_scores(rewards: list[dict], metric: str) -> Tensor:
-    """(N,) float: what dynamic sampling compares within a group, per episode: its reward
-    (shaping included) or its exec_match (0/1: DAPO's accuracy filter). rewards: the dicts
-    reward.episode_rewards returns."""
-    assert metric in ("reward", "exec_match"), metric
-    return torch.tensor([float(r[metric]) for r in rewards])
-
-
 def keep_mask_dynamic(rewards: Tensor, group_size: int) -> Tensor:
     """(P,) bool: True for groups whose rewards are not all equal (DAPO dynamic sampling).
     An all-equal group has zero advantage in every mode, so it only dilutes the batch.
@@ -86,6 +78,91 @@ def keep_mask_dynamic(rewards: Tensor, group_size: int) -> Tensor:
     r = rewards.view(-1, group_size)
     return (r != r[:, :1]).any(dim=1)
 
+
+def keep_mask(batch, group_size: int, metric: str) -> list[bool]:
+    """Per episode: is its group kept (dynamic sampling)? batch: rollout.Episode list, whole groups
+    of group_size in a row. metric: what must differ within a group, each episode's reward
+    (shaping included) or its exec_match (some right, some wrong: DAPO's accuracy filter)."""
+    assert metric in ("reward", "exec_match"), metric
+    scores = torch.tensor([float(e.reward.value if metric == "reward" else e.reward.exec_match) for e in batch])
+    return keep_mask_dynamic(scores, group_size).repeat_interleave(group_size).tolist()
+
+
+# -----------------------------------------------------------------------------
+# credit: each loss token's advantage
+
+
+def _whole_batch(values: list[float], mode: str) -> tuple[Tensor, int]:
+    """(the values the normalisation needs, where this rank's start in them): this rank's alone,
+    except for the "batch" mode, whose std is the whole batch's: all-gathered (rank order)."""
+    if mode != "batch" or not dist.is_initialized():
+        return torch.tensor(values, dtype=torch.float32), 0
+    every = all_gather_list([values])  # one list per rank
+    return torch.tensor([x for r in every for x in r], dtype=torch.float32), sum(len(r) for r in every[:dist.get_rank()])
+
+
+def episode_advantages(batch, g) -> Tensor:
+    """(n,) advantages of this rank's episodes (whole groups: rollout.Episode list) from their
+    rewards, grpo.advantage's normalisation (advantages above). Every rank holds whole groups, so
+    the group modes need nothing from the other ranks; "batch" takes the std of every rank's rewards."""
+    values, start = _whole_batch([e.reward.value for e in batch], g.advantage)
+    return advantages(values, g.group_size, g.advantage, g.adv_eps)[start:start + len(batch)]
+
+
+def gold_literals(example: dict) -> list[str]:
+    """The quoted string literals of the gold SQL that the question does not spell out (case
+    aside): values the answer needs and only a lookup can show (the toy: the stored code 'Paris4k'
+    of the question's 'Paris')."""
+    found = [m.replace("''", "'") for m in re.findall(r"'((?:[^']|'')*)'", example["gold_sql"])]
+    question = example.get("question", "").lower()
+    return [x for x in dict.fromkeys(found) if x and x.lower() not in question]
+
+
+def turn_rewards(episode, bonus: float) -> list[float]:
+    """Per-turn rewards of one episode (grpo.lookup_bonus): `bonus` on the first tool turn whose
+    observation shows a value the gold answer needs (gold_literals), 0 on every other turn (a
+    later lookup that shows it again earns nothing: no farming)."""
+    out = [0.0] * episode.trajectory.num_turns
+    needed = gold_literals(episode.example)
+    for k, step in enumerate(episode.trajectory.steps[:len(out)]):
+        if step["kind"] in ("sql", "query") and any(x in step.get("observation", "") for x in needed):
+            out[k] = bonus
+            break
+    return out
+
+
+def token_advantages(batch, g) -> list[Tensor]:
+    """The credit: each episode's advantage per loss token, (n_loss_tokens,) each, in the order
+    Trajectory.token_turns lists them. batch: this rank's rollout.Episode list (whole groups).
+
+    Default (grpo.lookup_bonus 0): the episode's advantage (episode_advantages) on every token.
+    lookup_bonus > 0: per-turn rewards b_k (turn_rewards) on top of the outcome reward R, each
+    credited to its turn and the turns before it (reward-to-go, γ = 1): a token of turn k gets
+    (R + Σ_{j≥k} b_j − mean) / (std + eps), mean and std those of the returns R + Σ_j b_j of its
+    group's episodes (grpo.advantage's normalisation: "none" divides by nothing, "batch" takes the
+    std over the batch). The turn that first showed the value, and those before it, gain the bonus;
+    the turns after it (the answer) are judged on the outcome alone."""
+    turns = [e.trajectory.token_turns() for e in batch]
+    if g.lookup_bonus <= 0:
+        adv = episode_advantages(batch, g)
+        return [adv[i].expand(len(t)).clone() for i, t in enumerate(turns)]
+    bonuses = [turn_rewards(e, g.lookup_bonus) for e in batch]
+    values, start = _whole_batch([e.reward.value + sum(b) for e, b in zip(batch, bonuses)], g.advantage)
+    r = values.view(-1, g.group_size)  # (groups, G): every rank's in the batch mode
+    mean = r.mean(dim=1, keepdim=True).expand_as(r).reshape(-1)[start:]
+    if g.advantage == "none":
+        denom = torch.ones_like(mean)
+    elif g.advantage == "group":
+        std = r.std(dim=1, keepdim=True) if g.group_size > 1 else torch.zeros_like(r[:, :1])
+        denom = (std + g.adv_eps).expand_as(r).reshape(-1)[start:]
+    else:
+        denom = ((r.std() if r.numel() > 1 else r.new_zeros(())) + g.adv_eps).expand_as(mean)
+    out = []
+    for i, (e, t, b) in enumerate(zip(batch, turns, bonuses)):
+        to_go = e.reward.value + torch.tensor(b[::-1] or [0.0], dtype=torch.float32).cumsum(0).flip(0)  # (turns,)
+        per_turn = (to_go - mean[i]) / denom[i]
+        out.append(per_turn[torch.tensor(t, dtype=torch.long).clamp(max=len(per_turn) - 1)])
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -146,32 +223,42 @@ def clip_range(loss: str, clip_low: float, clip_high: float) -> tuple[float, flo
 
 
 def loss_kwargs(g, max_len: int) -> dict:
-    """policy_loss's hyperparameters from the grpo config group; the trainer adds the tensors:
-    policy_loss(logp, old, adv, mask, ref_logp=.., rollout_logp=.., norm=.., entropy=..,
-    **loss_kwargs(cfg.grpo, max_len))."""
+    """policy_loss's hyperparameters from the grpo config group (max_len: sampling.max_context)."""
     return dict(loss=g.loss, clip_low=g.clip_low, clip_high=g.clip_high, dual_clip_c=g.dual_clip_c,
                 kl_beta=g.kl_beta, agg=g.loss_agg, max_len=g.drgrpo_max_len or max_len,
                 rollout_is=RolloutIS.from_config(g))
 
 
-def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *,
-                clip_low: float, clip_high: float, loss: str = "grpo", dual_clip_c: float = 0.0,
-                ref_logp: Tensor | None = None, kl_beta: float = 0.0,
-                agg: str = "token-mean", norm: float, max_len: int | None = None,
-                entropy: Tensor | None = None, rollout_logp: Tensor | None = None,
-                rollout_is: RolloutIS = RolloutIS()) -> tuple[Tensor, dict[str, Tensor]]:
+class PolicyLoss:
+    """The loss as the update calls it (policy_update.update): `norm(masks)` once per optimizer
+    step (global_norm: a collective, every rank calls it), then `loss(inputs, norm)` per
+    micro-batch. g: the grpo config group; max_len: sampling.max_context (Dr. GRPO's L)."""
+
+    def __init__(self, g, max_len: int):
+        self.agg, self.kwargs = g.loss_agg, loss_kwargs(g, max_len)
+
+    def norm(self, masks: list[Tensor]) -> float:
+        return global_norm(masks, self.agg)
+
+    def __call__(self, inputs: LossInputs, norm: float) -> tuple[Tensor, dict[str, Tensor]]:
+        return policy_loss(inputs, norm=norm, **self.kwargs)
+
+
+def policy_loss(x: LossInputs, *, norm: float, clip_low: float, clip_high: float, loss: str = "grpo",
+                dual_clip_c: float = 0.0, kl_beta: float = 0.0, agg: str = "token-mean",
+                max_len: int | None = None, rollout_is: RolloutIS = RolloutIS()) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy loss of one micro-batch, divided by the *global* `norm` (see top).
 
-    logp, old_logp, ref_logp, rollout_logp, mask, entropy: (B, T), one sequence per row;
-    adv: (B,) per sequence or (B, T). ε_l, ε_h = clip_range(loss, clip_low, clip_high).
+    x: LossInputs, every field (B, T), one sequence per row (logp = x.logprobs, old = x.old_logprobs,
+    A = x.advantages, per token; x.turns for a turn-aware loss). ε_l, ε_h = clip_range(loss, clip_low, clip_high).
     log ρ_t = clamp(logp - old_logp, ±20); per token t of sequence i:
       grpo        ρ = exp(log ρ_t)                         PPO-clip: pg = -min(ρA, clip(ρ, 1-ε_l, 1+ε_h)A)
       gspo        ρ = s_i = exp(mean_t log ρ_it)           the same clip on the sequence ratio (GSPO)
       gspo-token  ρ = sg(s_i) · π_θ(y_t) / sg(π_θ(y_t))    value s_i, gradient per token (GSPO-token)
       cispo       pg = -sg(clip(ρ_t, 1-ε_l, 1+ε_h)) · A · logp    (CISPO: no token's gradient zeroed)
     dual-clip (not cispo): if dual_clip_c > 0 and A < 0: pg = min(pg, -c·A)    (verl)
-    rollout correction: pg *= w_t, w from rollout_correction.is_weights(old, rollout_logp) when
-        rollout_logp is given (mismatch metrics are then logged; the weights only if kind != none)
+    rollout correction: pg *= w_t, w from rollout_correction.is_weights(old, x.sampler_logprobs) when
+        the sampler's logprobs are given (mismatch metrics are then logged; the weights only if kind != none)
     ℓ = pg + kl_beta · k3,  k3 = min(exp(ref - logp) - (ref - logp) - 1, 10), ref - logp clamped ±20
     Aggregation (m = mask, norm from global_norm(..., agg)):
         token-mean           Σ m·ℓ / norm                       norm = global masked tokens
@@ -183,8 +270,10 @@ def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *,
     (mean per-token pg), clip_frac (tokens where the clip was active: the clipped branch of the
     min, or for cispo the weight clipped), approx_kl (k3 estimate of KL(π_old‖π_θ)), ratio_max
     (of the ratio the loss used); when dual_clip_c > 0 dual_clip_frac; when kl_beta > 0 kl
-    (mean k3 to ref); entropy if given; the mismatch and is_* metrics with rollout_logp.
+    (mean k3 to ref); entropy if given; the mismatch and is_* metrics with the sampler's logprobs.
     """
+    logp, old_logp, adv, mask = x.logprobs, x.old_logprobs, x.advantages, x.mask
+    ref_logp, rollout_logp, entropy = x.ref_logprobs, x.sampler_logprobs, x.entropy
     assert agg in AGGS, f"loss agg must be one of {AGGS}, got {agg!r}"
     eps_low, eps_high = clip_range(loss, clip_low, clip_high)
     assert dual_clip_c == 0.0 or dual_clip_c > 1.0, "dual-clip needs c > 1 (verl)"
@@ -193,7 +282,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *,
     m = mask.bool()
     logp = logp.float()
     zero = torch.zeros_like(logp)
-    A = (adv.float()[:, None] if adv.dim() == 1 else adv.float()).expand_as(logp)
+    assert adv.shape == logp.shape, (adv.shape, logp.shape)
+    A = adv.float()
 
     # Masked positions (prompt, tool output, padding) may hold anything, even -inf/nan: zero
     # the inputs there *before* exp so no inf/nan can reach the gradient through 0 * inf.

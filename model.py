@@ -13,13 +13,13 @@ folders that transformers loads with the same logits.
     logits = model.forward_paged(idx, pos, PagedBatch(...))    # the sampler: over its paged KV cache
 
 Two forwards, one per job. forward(idx, targets) is nanoGPT's, plus what packed training rows
-need (packing.py: positions, the rows' attention from packed_attention.for_rows, loss_index);
+need (trainer/packing.py: positions, the rows' attention from packed_attention.for_rows, loss_index);
 it is the one FSDP2 hooks (always called as model(...)). forward_paged is the sampler's, on a
-plain model (engine/: the inference copy of policy_sampler.py). Attention layers call
+plain model (engine/: the inference copy of trainer/policy_sampler.py). Attention layers call
 `attention.attend(q, k, v, layer)` on what the forward was given (None: plain causal SDPA).
 
 Internally q/k/v and gate/up are fused (one matmul each: markedly faster decode);
-the only difference from HF names is that fusion (hf_folder.py: `to_hf` / `from_hf`, loading and saving).
+the only difference from HF names is that fusion (trainer/hf_folder.py: `to_hf` / `from_hf`, loading and saving).
 Tests: .venv/bin/pytest tests/test_model.py (checks against transformers).
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import hf_folder
-import paged_attention
+from trainer import hf_folder
+from engine import paged_attention
 
 FAMILIES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
@@ -165,7 +165,7 @@ class Attention(nn.Module):
         self.qk_norm = a.qk_norm
 
     def forward(self, x, cos, sin, attention=None):
-        """x (B, T, C). attention: None = plain causal; else a packed row's (packed_attention.py)
+        """x (B, T, C). attention: None = plain causal; else a packed row's (trainer/packed_attention.py)
         or the sampler's paged cache (paged_attention.Plan): its attend(q, k, v, layer)."""
         B, T, _ = x.shape
         H, Hk, D = self.h, self.hk, self.d
@@ -322,12 +322,17 @@ class Transformer(nn.Module):
         return lp, ent
 
     # -------------------------------------------------------------------------
-    # HF folders (hf_folder.py)
+    # HF folders (trainer/hf_folder.py)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict) -> "Transformer":
+        """The model (uninitialised: on the current device, meta when loading) of an HF config.json's dict."""
+        return cls(ModelArgs.from_hf(hf))
 
     @classmethod
     def from_pretrained(cls, path, dtype=None, device=None) -> "Transformer":
         """The model of a local HF folder (config.json + safetensors); dtype: default the folder's."""
-        return hf_folder.load(path, lambda hf: cls(ModelArgs.from_hf(hf)), dtype, device)
+        return hf_folder.load(path, cls.from_hf_config, dtype, device)
 
     def save_pretrained(self, path, state_dict=None, max_shard_bytes: int = 4 << 30):
         """Write an HF folder that transformers loads; state_dict: a full one (FSDP2), default ours."""

@@ -8,7 +8,7 @@ Panels (x = GRPO step): reward and format-error rate; train vs held-out EX (eval
 overfitting view) with the held-out recovery rate beside it (eval/recovery_rate: the share of the
 episodes whose first query came back empty or failed that still ended right); turns and tool calls per episode (train, and eval dashed); time per step split
 into rollout / reward / update; the SFT warm-start loss and held-out EX (its own step axis); grad
-norm and clip fraction. The random baseline (eval/random_ex, baseline.py) is a dotted floor in
+norm and clip fraction. The random floor (eval/random_ex, eval.random_floor) is a dotted floor in
 the EX panel. Each panel is one function in PANELS. Thin lines are per step, thick ones a running
 mean over ~5% of the steps.
 A resumed run appends to metrics.jsonl: the last value logged for a (step, metric) wins.

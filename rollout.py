@@ -1,9 +1,10 @@
-"""Multi-turn text-to-SQL episodes on the sampler's engine: render, sample, parse, run the tool, observe.
+"""Multi-turn text-to-SQL episodes on the sampler's engine: render, sample, parse, run the tool,
+observe; then reward them, one typed Episode each (what a GRPO step carries to the update).
 
-    from rollout import generate, rollout
+    episodes = sample_episodes(sampler, tok, examples, cfg, n=G, seed=s)   # rollout then reward: Episode list
+    trajs = rollout(model, tok, examples, env_cfg, sampling_cfg, data_cfg, db_root, n=5, seed=s)  # the loop
+    trajs = replay(turns, db_paths, env_cfg, budget=3, tokenizer=tok, prompt_ids=p)  # scripted turns
     trajs = generate(model, prompt_ids, sampling_cfg, ["</sql>"], tokenizer, seed=0)  # one turn
-    trajs = rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root,
-                    n=5, seed=step, dtype=torch.bfloat16)                             # episodes
 
 An episode: the prompt (chat template) is sampled until a stop string, EOS or the turn's budget;
 the env parses the turn and runs its SQL; the observation's tokens are appended (loss mask 0) and
@@ -24,15 +25,17 @@ Benchmarks: bench/sampler.py, bench/multiturn.py, bench/rollout_scale.py
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-import dataset
+import env
 from engine.engine import Engine
 from engine.sampling import StopChecker, row_key
 from engine.scheduler import Sequence
+from reward import Reward, Transcript, episode_rewards
+from sqltask import dataset
+from sqltask.chat import conversation_pieces, eos_ids, observation_ids, render_prompt
 
 
 @dataclass
@@ -78,62 +81,25 @@ class Trajectory:
         """The engine is through with it: drop what only the engine needed (blocks, followers)."""
         self.seq.block_table, self.seq.followers = [], []
 
+    def turn_texts(self, tokenizer) -> list[dict]:
+        """Each turn's model text and the observation appended after it ("" after the last),
+        decoded from the ids: what the model saw, template tokens included in the conversation format."""
+        out = []
+        for k, (start, end) in enumerate(self.turn_spans):
+            nxt = self.turn_spans[k + 1][0] if k + 1 < len(self.turn_spans) else len(self.ids)
+            out.append({"text": tokenizer.decode(self.ids[start:end]), "observation": tokenizer.decode(self.ids[end:nxt])})
+        return out
 
-# -----------------------------------------------------------------------------
-# tokens around the model's turns
-
-
-def render_prompt(tokenizer, example: dict, data_cfg, protocol: str, db_root) -> list[int]:
-    """Prompt ids of one example: its chat messages rendered with the generation prompt."""
-    import prompts as prompt_lib
-    msgs = prompt_lib.build_messages(example, db_root, data_cfg, protocol=protocol)
-    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def eos_ids(tokenizer) -> list[int]:
-    """EOS ids: the tokenizer's eos plus <|im_end|> / <|endoftext|> when the vocab has them."""
-    vocab = tokenizer.get_vocab()
-    ids = {tokenizer.eos_token_id} | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
-    return sorted(i for i in ids if i is not None)
-
-
-@functools.lru_cache(maxsize=16)
-def conversation_wrapper(tokenizer) -> tuple[str, str, str]:
-    """(close, before, after) around an observation in the conversation format: `close` ends the
-    assistant turn (an EOS token such as <|im_end|>; skipped when the model sampled it),
-    `before` opens a user message, `after` closes it and opens the next assistant turn. Found by
-    rendering only a dummy exchange with the chat template (template-suffix differencing); the
-    real history is never re-rendered."""
-    A, O = "\u2063ASSISTANT\u2063", "\u2063OBSERVATION\u2063"
-    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
-            {"role": "assistant", "content": A}, {"role": "user", "content": O}]
-    s = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    a, o = s.index(A) + len(A), s.index(O)
-    head = s[a:o]  # e.g. "<|im_end|>\n<|im_start|>user\n"
-    close = next((e for e in tokenizer.convert_ids_to_tokens(eos_ids(tokenizer)) if head.startswith(e)), "")
-    return close, head[len(close):], s[o + len(O):]
-
-
-def conversation_pieces(tokenizer, env_cfg) -> tuple[str, ...]:
-    """The chat-template text that the conversation format (env.conversation = conversation)
-    inserts between an assistant turn and an observation (conversation_wrapper), which
-    reward.format_ok removes before its rules run; () in the single-message format, which inserts none."""
-    if getattr(env_cfg, "conversation", "single") != "conversation":
-        return ()
-    return tuple(p for p in conversation_wrapper(tokenizer) if p)
-
-
-def observation_ids(tokenizer, observation: str, conversation: str, last_id: int | None = None) -> list[int]:
-    """The ids appended after a turn (tokenized once): the env's observation text as it is in the
-    single-message format; in the conversation format the assistant turn closed (unless its last
-    sampled token `last_id` already closed it), the observation as a user message and a new
-    assistant turn opened, exactly as the chat template renders the whole conversation."""
-    if conversation == "conversation":
-        close, before, after = conversation_wrapper(tokenizer)
-        sampled_close = close and last_id == tokenizer.convert_tokens_to_ids(close)
-        observation = ("" if sampled_close else close) + before + observation.strip() + after
-    return tokenizer.encode(observation, add_special_tokens=False)
+    def token_turns(self) -> list[int]:
+        """The turn (0 = the first) of each loss token: positions j >= 1 with loss_mask[j] = 1, in
+        order (what packing scores). Every sampled token lies in its turn's span."""
+        out, k = [], 0
+        for j in range(1, len(self.ids)):
+            if self.loss_mask[j]:
+                while k + 1 < len(self.turn_spans) and j >= self.turn_spans[k + 1][0]:
+                    k += 1
+                out.append(k)
+        return out
 
 
 # -----------------------------------------------------------------------------
@@ -178,13 +144,13 @@ def rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root
     example i). Each example needs db_path (absolute or relative to db_root) + what
     prompts.build_messages reads (question, evidence, ...). dtype: the KV cache's (the compute
     dtype; default the parameters'). stats: a dict to fill with engine_counters (prefilled
-    tokens, peak blocks, ...). engine: a persistent Engine on `model` (policy_sampler.py) reset and
+    tokens, peak blocks, ...). engine: a persistent Engine on `model` (trainer/policy_sampler.py) reset and
     reused, its pool, buffers and graphs kept; default a new one for this rollout, freed after.
     Returns P*n Trajectories."""
-    import env
-    prompts = [render_prompt(tokenizer, ex, data_cfg, env_cfg.protocol, db_root) for ex in examples]
+    prompt_ids = [render_prompt(tokenizer, ex, data_cfg, env_cfg.protocol, db_root) for ex in examples]
     dbs = [dataset.abs_db_path(ex, db_root) for ex in examples]
-    trajs = [Trajectory.start(p, row_key(seed, i * n + j), i, j, i * n + j) for i, p in enumerate(prompts) for j in range(n)]
+    trajs = [Trajectory.start(p, row_key(seed, i * n + j), i, j, i * n + j) for i, p in enumerate(prompt_ids)
+             for j in range(n)]
     stopper = StopChecker(tokenizer, env.STOP_STRINGS[env_cfg.protocol], eos_ids(tokenizer), model.config.vocab_size)
     worst = [_worst_case(t, env_cfg, sampling_cfg) for t in trajs]
     if engine is None:
@@ -320,7 +286,6 @@ class ToolCalls:
     def submit(self, step: int, items: list[tuple[Trajectory, str, str, int]]) -> None:
         """items: (trajectory, db path, the turn's text, generations left after it)."""
         if items:
-            import env
             dbs, texts, left = zip(*[i[1:] for i in items])
             future = self.thread.submit(env.step_batch, list(dbs), list(texts), list(left), self.cfg)
             self.pending.append((step + self.cfg.tool_overlap_steps, [i[0] for i in items], future))
@@ -343,3 +308,107 @@ class ToolCalls:
         for _, trajs, future in due:
             out += zip(trajs, future.result())
         return out
+
+
+# -----------------------------------------------------------------------------
+# scripted episodes: fixed turns played through the env (the warm start's gold, the random floor)
+
+
+def replay(turns: list[list[str]], db_paths: list, env_cfg, *, budget: int, tokenizer=None,
+           prompt_ids: list[list[int]] | None = None, names: list | None = None) -> list[Trajectory]:
+    """Episodes whose turns are written in advance (turns[i]: episode i's texts, the last one its
+    answer) played through the real env (env.step_batch, one batch per turn index) and, with a
+    tokenizer, tokenized exactly as rollout appends them: each turn encoded alone (mask 1; the env
+    reads its decoded text, as in a rollout), each observation observation_ids of the env's own
+    output (mask 0), after prompt_ids[i]. tokenizer None: text only (ids empty; text holds every
+    turn and observation). budget: the generations an episode may have (at turn k the env is told
+    budget - k - 1 are left). A turn that does not end at its first stop string, or that the env
+    reads other than as written (a tool call, then an answer that ends the episode), raises
+    ValueError naming the episode (names[i]). The SFT warm start's gold episodes
+    (sft.gold_episodes) and the random-policy floor (eval.random_floor) are such episodes."""
+    names = names or list(range(len(turns)))
+    stops = env.STOP_STRINGS[env_cfg.protocol]
+    trajs = [Trajectory.of(list(p), list(p), [0] * len(p), [0.0] * len(p))
+             for p in (prompt_ids if tokenizer else [[]] * len(turns))]
+    segments = [[] for _ in turns]
+    for k in range(max(map(len, turns), default=0)):
+        live = [i for i, t in enumerate(turns) if k < len(t)]
+        said = {}
+        for i in live:  # the policy's turn: encoded alone, decoded for the env as the rollout does
+            t = trajs[i]
+            ids = tokenizer.encode(turns[i][k], add_special_tokens=False) if tokenizer else []
+            said[i] = (ids, tokenizer.decode(ids) if tokenizer else turns[i][k])
+            t.turn_spans.append((len(t.ids), len(t.ids) + len(ids)))
+            t.ids.extend(ids)
+            t.loss_mask.extend([1] * len(ids))
+            t.logprobs.extend([0.0] * len(ids))
+            segments[i].append(said[i][1])
+            text = said[i][1]  # the rollout ends a turn at its first stop string: a scripted one must end on it
+            if min((text.find(x) + len(x) for x in stops if x in text), default=-1) != len(text):
+                raise ValueError(f"scripted episode of {names[i]}: turn {k + 1} ({text!r}) does not end at its "
+                                 f"first stop string {stops}")
+        results = env.step_batch([str(db_paths[i]) for i in live], [said[i][1] for i in live],
+                                 [budget - (k + 1)] * len(live), env_cfg)
+        for i, res in zip(live, results):
+            t, last = trajs[i], k == len(turns[i]) - 1
+            t.steps.append(env.step_record(res))
+            t.num_turns += 1
+            t.num_tool_calls += res.action.kind in ("sql", "describe", "sample", "query")
+            if res.action.kind == "invalid" or res.done != last or (last and res.action.kind not in ("solution", "answer")):
+                raise ValueError(f"scripted episode of {names[i]}: turn {k + 1} ({said[i][1]!r}) was read as "
+                                 f"{res.action.kind}, done={res.done}")
+            if last:
+                t.finished, t.final_sql, t.stop_reason = True, res.action.arg, "solution"
+                continue
+            if tokenizer:
+                obs = observation_ids(tokenizer, res.observation, env_cfg.conversation, said[i][0][-1])
+                t.ids.extend(obs)
+                t.loss_mask.extend([0] * len(obs))
+                t.logprobs.extend([0.0] * len(obs))
+            segments[i].append(res.observation)
+    for t, segs in zip(trajs, segments):
+        t.text = tokenizer.decode(t.ids[len(t.prompt_ids):]) if tokenizer else "".join(segs)
+    return trajs
+
+
+# -----------------------------------------------------------------------------
+# episodes: rollout then reward, one typed record each
+
+
+@dataclass
+class Episode:
+    """One episode as a step carries it from the rollout to the update (and the evals to their
+    summaries): its tokens, its reward, its dataset record and its group (the index of its
+    prompt in the rollout call: the n samples of a prompt share it, and advantages compare them)."""
+    trajectory: Trajectory
+    reward: Reward
+    example: dict
+    group: int
+
+
+def transcript(traj: Trajectory, example: dict, db_root, final_sql: str | None = None) -> Transcript:
+    """What reward.episode_rewards reads of one trajectory of one dataset record. final_sql: the
+    answer to execute, when the caller rewrote it (eval.py scores its one-line predictions)."""
+    return Transcript(dataset.abs_db_path(example, db_root), example["gold_sql"], traj.text,
+                      traj.final_sql if final_sql is None else final_sql, traj.finished, traj.steps)
+
+
+def sample_episodes(sampler, tokenizer, examples, cfg, *, n: int, seed: int, greedy: bool = False,
+                    sampling=None, answers=None, phase=None, first_group: int = 0) -> list[Episode]:
+    """Rollout then reward, the one path of training steps, evals, SFT's stop check and eval.py
+    generate: n episodes per example on the sampler's current weights (example-major: episode
+    i*n + j is sample j of example i, group first_group + i). sampler: trainer.policy_sampler's;
+    cfg: config.Config; sampling: the SamplingConfig to decode with (default cfg.sampling);
+    answers(trajectory) -> the SQL to score (default its final_sql); phase(name): a context manager
+    timing "rollout" and "reward" (run_log.Phases)."""
+    if not sampler.refreshed:
+        raise RuntimeError("sample_episodes before sampler.refresh(model): the inference copy holds no weights")
+    phase = phase or (lambda name: contextlib.nullcontext())
+    with phase("rollout"):  # on the sampler's inference copy, through its kept engine
+        trajs = rollout(sampler.model, tokenizer, examples, cfg.env, sampling or cfg.sampling, cfg.data,
+                        cfg.data.db_root, n=n, seed=seed, greedy=greedy, engine=sampler.engine)
+    reps = [ex for ex in examples for _ in range(n)]
+    with phase("reward"):
+        scripts = [transcript(t, ex, cfg.data.db_root, answers(t) if answers else None) for t, ex in zip(trajs, reps)]
+        rewards = episode_rewards(scripts, cfg.reward, cfg.env.protocol, conversation_pieces(tokenizer, cfg.env))
+    return [Episode(t, r, ex, first_group + k // n) for k, (t, r, ex) in enumerate(zip(trajs, rewards, reps))]

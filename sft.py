@@ -1,4 +1,5 @@
-"""SFT warm start: next-token training on gold episodes (gold.py) written in the run's protocol.
+"""SFT warm start: next-token training on gold episodes written in the run's protocol (the turns:
+sqltask/gold_turns.py; played through the env and tokenized as a rollout appends them: rollout.replay).
 
 Loss only on the model-side tokens (mask 1), never on the prompt or the observations.
 train.py calls run_sft (the loop) before GRPO when `sft.steps > 0`, or warm_start_base in a LoRA
@@ -20,17 +21,51 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import dataset
-import episodes
-import gold
-import optim
-import packing
 import rollout
-import runguard
-from distributed import all_sum, close, compute_dtype, each_micro_batch, shard
+from eval import evaluate
 from model import Transformer
-from policy_sampler import PolicySampler
+from sqltask import chat, dataset
+from sqltask.gold_turns import gold_turns
+from trainer import checkpoint, optim, packing, runguard
+from trainer.distributed import all_sum, close, compute_dtype, each_micro_batch, shard
+from trainer.policy_sampler import PolicySampler
+
+# -----------------------------------------------------------------------------
+# gold episodes
+
+
+def gold_episodes(examples, prompt_ids, tokenizer, cfg, db_paths, turns=None) -> list:
+    """Every record's gold episode (sqltask/gold_turns.py's turns, or `turns` when given) played
+    through the env and tokenized as a rollout appends it (rollout.replay): rollout.Trajectory
+    each, mask 1 on the model's turns. prompt_ids: rendered prompts (chat.render_prompt);
+    tokenizer None: text only. A gold the env does not read as written raises ValueError naming the record."""
+    budget = rollout.max_turns(cfg.env)
+    turns = turns or [gold_turns(ex, cfg, str(db), budget) for ex, db in zip(examples, db_paths)]
+    return rollout.replay(turns, db_paths, cfg.env, budget=budget, tokenizer=tokenizer, prompt_ids=prompt_ids,
+                          names=[ex.get("id") for ex in examples])
+
+
+def gold_texts(examples, cfg, db_paths) -> list[str]:
+    """The text of every gold turn and observation, one string each (the tiny tokenizer's corpus:
+    its tokens then cover what the warm start trains on; toy/tiny.prepare_assets)."""
+    budget = rollout.max_turns(cfg.env)
+    turns = [gold_turns(ex, cfg, str(db), budget) for ex, db in zip(examples, db_paths)]
+    out = []
+    for said, t in zip(turns, gold_episodes(examples, None, None, cfg, db_paths, turns)):
+        for k, text in enumerate(said):  # each turn, then the observation the env appended after it
+            out += [text, t.steps[k]["observation"]] if k < len(said) - 1 else [text]
+    return out
+
+
+def build_dataset(examples, prompt_ids, tokenizer, cfg, db_paths) -> list[tuple[list[int], list[int]]]:
+    """(ids, mask) of every gold episode that fits sampling.max_context (longer ones are left out;
+    none fitting is an error: the warm start would have nothing to train on)."""
+    out = [(t.ids, t.loss_mask) for t in gold_episodes(examples, prompt_ids, tokenizer, cfg, db_paths)
+           if len(t.ids) <= cfg.sampling.max_context]
+    if examples and not out:
+        raise ValueError(f"no gold episode fits sampling.max_context {cfg.sampling.max_context}: nothing to warm start on")
+    return out
+
 
 # -----------------------------------------------------------------------------
 # training
@@ -120,7 +155,7 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
             stop=None) -> bool:
     """Warm start on gold trajectories (loss on model-side tokens only, token-mean over the batch).
     sampler: the model's PolicySampler, refreshed with the current weights before the evals
-    (sft.eval_every, episodes.evaluate) and the sft.stop_at_train_ex check; log: run_log.Log.
+    (sft.eval_every, eval.evaluate) and the sft.stop_at_train_ex check; log: run_log.Log.
     Saves to <out_dir>/warm_start (checkpoint.save) every sft.save_every steps, at its end and, with
     `stop` (runguard.StopSignals), after the step in which a signal came (then raises Stopped);
     resume_from: such a save, continued exactly (weights, AdamW, RNG, the data order, the check grid,
@@ -133,9 +168,9 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
                   f"some out of the warm start, this training set has {n_dbs}: the stop check uses trained questions")
         s = dataclasses.replace(s, stop_check_unseen=False)
     probe, train_ex = stop_check_questions(train_ex, s)
-    prompts = [rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in train_ex]
+    prompts = [chat.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in train_ex]
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]
-    data = gold.build_dataset(train_ex, prompts, tok, cfg, db_paths)
+    data = build_dataset(train_ex, prompts, tok, cfg, db_paths)
     opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
     check_every = s.stop_check_every  # stop_check_every_near while the last check is at or above stop_near_ex
     start, finished = 0, False  # steps done; whether the warm start ended (cap or stop check)
@@ -180,10 +215,10 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
             sampler.refresh(model)  # weight sync: the evals sample this step's weights
             synced = True
         if run_eval:
-            episodes.evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, i + 1, prefix="sft/eval")
+            evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, i + 1, prefix="sft/eval")
         if run_check:
             # all-reduced: every rank sees the same EX and stops at the same step
-            m = episodes.evaluate(sampler, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")
+            m = evaluate(sampler, tok, probe, cfg, rank, world, device, log, i + 1, prefix="sft/train")
             ex, recovery = m["sft/train/ex"], m.get("sft/train/recovery_rate", 1.0)  # absent: none failed
             near = s.stop_near_ex > 0 and ex >= s.stop_near_ex and s.stop_check_every_near > 0
             check_every = s.stop_check_every_near if near else s.stop_check_every

@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 # kept. Every variant spells out all of these keys, so a variant means the same on any base config.
 _SKYRL = {"grpo.loss": "grpo", "grpo.clip_low": 0.2, "grpo.clip_high": 0.2, "grpo.loss_agg": "token-mean",
           "grpo.advantage": "group", "grpo.kl_beta": 0.0, "grpo.dynamic_sampling": False,
-          "grpo.rollout_is": "none"}
+          "grpo.rollout_is": "none", "grpo.lookup_bonus": 0.0}
 VARIANTS: dict[str, dict] = {
     "skyrl-grpo": _SKYRL,
     # DAPO: clip-higher (ε_high 0.28) + dynamic sampling (all-equal-reward groups dropped) + token-mean
@@ -96,9 +96,9 @@ def argv_of(overrides: dict) -> list[str]:
 
 
 def validate(config_path: str, points, fixed: dict):
-    """Raise config.ConfigError (config.py's and config_checks.py's messages: a bad key, a value out
+    """Raise config.ConfigError (config.py's and trainer/config_checks.py's messages: a bad key, a value out
     of range, keys that disagree) for any point before anything runs (each point is one process)."""
-    import config_checks
+    from trainer import config_checks
     for name, over in points:
         try:
             config_checks.validate(C.load_config([config_path, *argv_of({**fixed, **over})]), world=1)
@@ -140,9 +140,11 @@ def run_one(config_path: str, run_dir: Path, argv: list[str]) -> float:
 
 def run_sweep(config_path: str, points, seeds: list[int], fixed: dict, out: Path, jobs: int, threads: int):
     """Build the shared assets once (toy data, tiny model), then every (point, seed) not finished."""
-    import tiny  # the asset builder; imported here so the report path needs no model code
+    import sft  # the asset builder and what it needs; imported here so the report path needs no model code
+    from model import Transformer
+    from toy import tiny
     base = C.load_config([config_path, *argv_of(fixed)])
-    tiny.prepare_assets(base)  # once, before the jobs: concurrent runs would race to build them
+    tiny.prepare_assets(base, Transformer, sft.gold_texts)  # once, before the jobs: concurrent runs would race to build them
     todo = []
     for name, over in points:
         for s in seeds:

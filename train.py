@@ -1,13 +1,13 @@
 """GRPO for multi-turn text-to-SQL under FSDP2. One file, top to bottom: config → process group →
-model and its sampler → (SFT warm start) → loop (prompts → rollout → rewards → keep mask →
-advantages → update → optimizer step → weight sync) → log / eval / checkpoint.
+model and its sampler → (SFT warm start) → loop of grpo_step (sample and reward → keep mask →
+credit → update → weight sync) → log / eval / checkpoint.
 
     torchrun --standalone --nproc_per_node=2 train.py configs/tiny.yaml     # CPU (gloo)
     torchrun --standalone --nproc_per_node=8 train.py configs/skyrl_sql_7b.yaml --train.out_dir=runs/x
     python train.py configs/tiny.yaml --grpo.clip_high=0.28                  # one process
 Multi-node: torchrun --nnodes=2 --node_rank=R --nproc_per_node=8 --rdzv_backend=c10d
     --rdzv_endpoint=HOST:29500 --rdzv_id=RUN train.py configs/skyrl_sql_7b_2node.yaml
-Process group, FSDP2 sharding and the collectives live in distributed.py.
+Process group, FSDP2 sharding and the collectives live in trainer/distributed.py.
 """
 from __future__ import annotations
 
@@ -15,32 +15,26 @@ import math
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-import baseline
-import checkpoint
 import config as C
-import config_checks
-import dataset
-import episodes
 import grpo
-import lora
-import malloc_tuning
-import optim
 import plot
-import rollout
-import runguard
 import sft
-import tiny
-from distributed import (PeakMemory, all_gather_list, all_sum, close, compute_dtype, memory_estimate,
-                         param_count, setup_dist, shard)
+from eval import evaluate, reduce_summary, report_random_floor, summarise
 from model import Transformer
-from policy_sampler import PolicySampler
-from policy_update import batch_logprobs, mini_batches, update
-from run_log import Log, Phases
+from rollout import Episode, sample_episodes
+from sqltask import chat, dataset
+from toy import tiny
+from trainer import checkpoint, config_checks, lora, malloc_tuning, optim, runguard
+from trainer.distributed import (PeakMemory, all_sum, close, compute_dtype, map_shared, memory_estimate, param_count,
+                                 setup_dist, shard)
+from trainer.policy_sampler import PolicySampler
+from trainer.policy_update import update_policy
+from trainer.run_log import Log, Phases
 
 # -----------------------------------------------------------------------------
 # data and prompts
@@ -60,12 +54,8 @@ def load_splits(tok, cfg: C.Config, log: Log, rank: int, world: int) -> tuple[li
             problems.append(str(e))
     if problems:
         raise dataset.DatasetError("\n".join(problems))
-    both = splits["train"] + splits["eval"]
-    mine = list(range(rank, len(both), world))
-    errors = [""] * len(both)
-    for i, err in all_gather_list([(i, e) for i, e in zip(mine, dataset.gold_failures([both[i] for i in mine], cfg.reward))
-                                   if e]):
-        errors[i] = err
+    errors = map_shared(lambda exs: dataset.gold_failures(exs, cfg.reward), splits["train"] + splits["eval"], rank,
+                        world)  # each rank runs a share of the golds
     n_train = len(splits["train"])
     out = []
     for name, path, exs, errs in (("train", d.train_path, splits["train"], errors[:n_train]),
@@ -73,7 +63,7 @@ def load_splits(tok, cfg: C.Config, log: Log, rank: int, world: int) -> tuple[li
         exs, note = dataset.drop_failing_golds(exs, errs, name)
         if note:
             log.print(f"WARNING: {note}")
-        lengths = [len(rollout.render_prompt(tok, ex, d, cfg.env.protocol, d.db_root)) for ex in exs]
+        lengths = [len(chat.render_prompt(tok, ex, d, cfg.env.protocol, d.db_root)) for ex in exs]
         kept, dropped = dataset.fit_prompts(exs, lengths, d.max_prompt_tokens, cfg.sampling.max_context)
         if dropped:
             log.print(f"{name}: dropped {dropped} of {len(exs)} examples whose prompt is longer than "
@@ -106,6 +96,76 @@ class PromptStream:
 
 
 # -----------------------------------------------------------------------------
+# one GRPO step: sample, reward, keep mask, credit, update, sync
+
+
+@dataclass
+class Run:
+    """What a GRPO step reads and moves: the policy (FSDP2-sharded, fp32 masters), its frozen KL
+    reference (None without a KL term), its sampler (the inference copy the rollouts decode on),
+    the optimizer and its schedule, and where this rank runs."""
+    model: object
+    ref_model: object | None
+    sampler: PolicySampler
+    optimizer: object
+    scheduler: object
+    tokenizer: object
+    cfg: C.Config
+    log: Log
+    rank: int
+    world: int
+    device: torch.device
+
+
+def collect(run: Run, prompts: list[dict], stream: "PromptStream", step: int, phase) -> tuple[list[Episode], list[Episode]]:
+    """A step's episodes: (kept, seen), this rank's. A round takes the next grpo.prompts_per_step
+    prompts (this rank's share of them), samples grpo.group_size episodes of each and rewards them
+    (rollout.sample_episodes), then applies the keep mask (dynamic sampling: groups whose rewards,
+    or verdicts, are all equal carry no signal). Rounds repeat, at most grpo.max_resample_rounds
+    more, until prompts_per_step groups are kept over all ranks; kept is cut to this rank's share,
+    seen holds every sampled episode (the step's metrics are over them)."""
+    cfg, g = run.cfg, run.cfg.grpo
+    G, P, share = g.group_size, g.prompts_per_step, g.prompts_per_step // run.world * g.group_size
+    kept, seen = [], []
+    for rnd in range(1 + (g.max_resample_rounds if g.dynamic_sampling else 0)):
+        batch = [prompts[i] for i in stream.take(P)[run.rank::run.world]]
+        seed = (cfg.train.seed * 1_000_003 + step * 1009 + rnd * 101 + run.rank) % (2 ** 31)
+        episodes = sample_episodes(run.sampler, run.tokenizer, batch, cfg, n=G, seed=seed, phase=phase,
+                                   first_group=len(seen) // G)
+        seen += episodes
+        keep = grpo.keep_mask(episodes, G, g.dynamic_sampling_metric) if g.dynamic_sampling else [True] * len(episodes)
+        kept += [e for e, k in zip(episodes, keep) if k]
+        if not g.dynamic_sampling or all_sum([min(len(kept), share)], run.device)[0] >= P * G:
+            break
+    return kept[:share], seen
+
+
+def grpo_step(run: Run, prompts: list[dict], stream: "PromptStream", step: int, phase) -> tuple[list, list, dict]:
+    """One GRPO step, every move in order: sample and reward (collect, with the keep mask), the
+    credit (grpo.token_advantages: each loss token's advantage), the update (trainer/policy_update.py: old /
+    reference logprobs once, then per mini-batch the packed forward, grpo.policy_loss on its
+    LossInputs, backward and the optimizer step) and the weight sync (the sampler's copy refreshed
+    when a step moved the weights). Returns (kept, seen, metrics): the episodes trained on and
+    sampled (this rank's), and the update's metrics (token-weighted loss metrics, grad norms, kept_frac)."""
+    cfg, g = run.cfg, run.cfg.grpo
+    kept, seen = collect(run, prompts, stream, step, phase)  # sample, reward, keep mask
+    n_kept, n_seen = all_sum([len(kept), len(seen)], run.device)
+    m = {}
+    with phase("update"):
+        if n_kept > 0:  # every rank joins the update (FSDP collectives), even one with no groups kept
+            advantages = grpo.token_advantages(kept, g)  # the credit: (n_loss_tokens,) per episode
+            m = update_policy(run.model, run.ref_model, run.optimizer, run.scheduler, [e.trajectory for e in kept],
+                              advantages, grpo.PolicyLoss(g, cfg.sampling.max_context), cfg, run.world, run.device)
+        else:  # all groups had equal rewards: nothing to learn from, not an error
+            run.log.print(f"step {step + 1}: every group had equal rewards: no update")
+    if any(math.isfinite(x) for x in m.pop("grad_norms", [])):  # the weights changed
+        with phase("sync"):
+            run.sampler.refresh(run.model)  # weight sync: the next rollout and eval sample the new policy
+    m["kept_frac"] = n_kept / max(n_seen, 1)
+    return kept, seen, m
+
+
+# -----------------------------------------------------------------------------
 # main
 
 
@@ -127,7 +187,8 @@ def main():
     log = Log(cfg, rank)
     log.print(C.dump(cfg))
     if cfg.data.prepare_toy or cfg.model.build_tiny:  # the toy recipes: their data and model, when absent
-        runguard.on_rank0(lambda: tiny.prepare_assets(cfg), rank)  # a user error there stops every rank
+        # the tiny tokenizer trains on the run's own text (prompts, the warm start's gold episodes)
+        runguard.on_rank0(lambda: tiny.prepare_assets(cfg, Transformer, sft.gold_texts), rank)  # a user error stops every rank
     config_checks.check_model_folder(cfg.model.path)
     torch.manual_seed(cfg.train.seed)
 
@@ -198,9 +259,9 @@ def main():
     if sampler.warm_up_s:  # CUDA: the first refresh compiled (or loaded from disk) and captured the decode step
         log.print(f"sampler: decode step compiled and captured in {sampler.warm_up_s:.1f} s")
     if step == 0:  # held-out EX before any GRPO step (after the warm start), beside the random floor
-        warm = episodes.evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
+        warm = evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
         if rank == 0:
-            baseline.report(eval_ex, cfg, log, warm)
+            report_random_floor(eval_ex, cfg, log, warm)
 
     ref_model = None
     if cfg.grpo.kl_beta > 0:  # the frozen reference is the policy at GRPO start (after SFT): ckpt 0
@@ -211,8 +272,7 @@ def main():
         ref_model = shard(ref_model.requires_grad_(False), compute_dtype(cfg), cfg.model.fsdp_unit)
 
     stream = PromptStream(len(train_ex), cfg.train.seed, cursor)
-    G, P = cfg.grpo.group_size, cfg.grpo.prompts_per_step  # P % world == 0: config_checks.validate
-    rounds = 1 + (cfg.grpo.max_resample_rounds if cfg.grpo.dynamic_sampling else 0)
+    run = Run(model, ref_model, sampler, optimizer, scheduler, tok, cfg, log, rank, world, device)
     stop.at_step_boundary()  # from here a signal stops the run after its step, with a checkpoint
     saved_at, stopped = step, 0
     t_start, first_step = time.time(), step
@@ -220,58 +280,15 @@ def main():
     phase = Phases(PeakMemory(device))  # seconds per phase (time/*) and, on CUDA, peak GB (mem/*_peak_gb)
     while step < cfg.train.steps:
         t0 = time.time()
-        trajs, rewards, exs = [], [], []  # the kept episodes (whole groups), this rank's
-        seen_t, seen_r, seen_x = [], [], []  # every sampled episode, for logging (before the keep mask)
-        for rnd in range(rounds):  # more rounds only while dynamic sampling keeps fewer than P groups
-            batch = [train_ex[i] for i in stream.take(P)[rank::world]]  # prompts: this rank's share
-            seed = (cfg.train.seed * 1_000_003 + step * 1009 + rnd * 101 + rank) % (2 ** 31)
-            with phase("rollout"):  # G multi-turn episodes per prompt, example-major
-                round_trajs = sampler.rollout(tok, batch, cfg.env, cfg.data, cfg.data.db_root, n=G, seed=seed)
-            with phase("reward"):
-                round_rewards = episodes.rewards(round_trajs, batch, tok, cfg, n=G)
-            reps = [ex for ex in batch for _ in range(G)]
-            seen_t, seen_r, seen_x = seen_t + round_trajs, seen_r + round_rewards, seen_x + reps
-            keep = [True] * len(round_trajs)  # keep mask: dynamic sampling drops groups of equal rewards
-            if cfg.grpo.dynamic_sampling:
-                scores = grpo.dynamic_sampling_scores(round_rewards, cfg.grpo.dynamic_sampling_metric)
-                keep = grpo.keep_mask_dynamic(scores, G).repeat_interleave(G).tolist()
-            trajs += [x for x, k in zip(round_trajs, keep) if k]
-            rewards += [x for x, k in zip(round_rewards, keep) if k]
-            exs += [x for x, k in zip(reps, keep) if k]
-            if not cfg.grpo.dynamic_sampling or all_sum([min(len(trajs), P // world * G)], device)[0] >= P * G:
-                break
-        trajs, rewards, exs = trajs[:P // world * G], rewards[:P // world * G], exs[:P // world * G]
-        # advantages: group-normalised over the all-gathered rewards (rank-ordered: groups stay whole)
-        all_r = all_gather_list([r["reward"] for r in rewards])
-        adv_all = grpo.advantages(torch.tensor(all_r, dtype=torch.float32), G, cfg.grpo.advantage, cfg.grpo.adv_eps)
-        offset = sum(all_gather_list([len(rewards)])[:rank]) if dist.is_initialized() else 0
-        adv = adv_all[offset:offset + len(rewards)]
-        n_kept, n_seen = all_sum([len(trajs), len(seen_t)], device)
-        losses, grad_norms = {}, []  # {metric: [token-weighted sum, tokens]}; one norm per optimizer step
-        with phase("update"):
-            if n_kept > 0:  # every rank joins the update (FSDP collectives), even one with no groups kept
-                logps = batch_logprobs(model, ref_model, trajs, cfg, device)  # old / ref / sampler, once per batch
-                for idx in mini_batches(len(trajs), cfg.grpo):
-                    update(model, trajs, idx, adv, logps, cfg, world, device, losses)  # forward, loss, backward
-                    grad_norms.append(optim.step_optimizer(model, optimizer, scheduler, cfg.optim))  # non-finite: skipped
-            else:  # all groups had equal rewards: nothing to learn from, not an error
-                log.print(f"step {step + 1}: every group had equal rewards: no update")
-        if any(math.isfinite(g) for g in grad_norms):  # the weights changed
-            with phase("sync"):
-                sampler.refresh(model)  # weight sync: the next rollout and eval sample the new policy
+        kept, seen, m = grpo_step(run, train_ex, stream, step, phase)  # sample, reward, credit, update, sync
         step += 1
 
         # log / eval / save
-        m = {k: v / max(w, 1e-9) for k, (v, w) in losses.items()}
-        if grad_norms:
-            m.update(grad_norm=sum(grad_norms) / len(grad_norms), grad_norm_max=max(grad_norms),
-                     skipped=float(not all(math.isfinite(g) for g in grad_norms)))
-        m["kept_frac"] = n_kept / max(n_seen, 1)
         bad = bad + 1 if m.get("skipped", 0) else 0
-        s = episodes.reduce_summary(episodes.summarise(seen_t, seen_r), device)  # all sampled episodes, not only kept
+        s = reduce_summary(summarise(seen), device)  # all sampled episodes, not only kept
+        n_seen, n_trained = all_sum([len(seen), sum(len(e.trajectory.ids) for e in kept)], device)
         t = phase.pop()
         tok_s = s["resp_tokens"] * n_seen / max(t["rollout"], 1e-9) / world
-        n_trained = all_sum([sum(len(tr.ids) for tr in trajs)], device)[0]
         for key, v in (("sampled", s["resp_tokens"] * n_seen), ("rollout_s", t["rollout"]), ("trained", n_trained),
                        ("update_s", t["update"])):
             speed[key] += v
@@ -288,15 +305,13 @@ def main():
                       f"rollout {t['rollout']:.1f}s reward {t['reward']:.1f}s update {t['update']:.1f}s | "
                       f"ETA {eta / 60:.1f} min")
         if cfg.train.sample_every and step % cfg.train.sample_every == 0:
-            episodes.show_samples(log, seen_t, seen_r, seen_x)
-            if rank == 0:  # rank 0's episodes: samples.jsonl and the wandb table `samples`
-                log.sample_log.write(step, seen_t, seen_r, seen_x, tok, G, cfg.train.sample_rows)
+            log.samples(step, seen, tok, cfg.grpo.group_size, cfg.train.sample_rows)  # printed, samples.jsonl, wandb
         if bad:
             log.print(f"WARNING: non-finite loss/gradient at step {step}: update skipped ({bad} in a row)")
             if bad >= cfg.train.max_bad_steps:
                 raise RuntimeError(f"{bad} non-finite steps in a row: stopping")
         if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == cfg.train.steps:
-            episodes.evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
+            evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
         if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
             checkpoint.save(cfg.train.out_dir, step, model, optimizer, scheduler, tok, cfg,
                             {"cursor": stream.cursor, "log_sizes": log.sizes()}, keep=cfg.train.keep_checkpoints)

@@ -1,12 +1,12 @@
 """CPU time of configs/tiny.yaml's GRPO update and SFT warm-start steps: today's settings vs the
 reference they replaced, interleaved in ONE process (old, new, old, new, ...), medians of ratios.
 
-  old  SDPA over a dense (B, 1, T, T) mask (`DenseRows`, the CPU attention packed_attention.py
+  old  SDPA over a dense (B, 1, T, T) mask (`DenseRows`, the CPU attention trainer/packed_attention.py
        replaced) with optim.pack_row_tokens 512 and micro_batch_tokens 16384, AdamW's
        per-parameter loop (foreach=False), the LM head checkpointed even as a single chunk
        (`checkpointed_logprobs`, the code it replaced), per-block FSDP2 units: the code and
        settings before this benchmark was written
-  new  configs/tiny.yaml and the code as they are (packed_attention.py: one causal attention
+  new  configs/tiny.yaml and the code as they are (trainer/packed_attention.py: one causal attention
        row per sequence; foreach AdamW; no single-chunk recompute; model.fsdp_unit model)
   --against block: old is today's settings with per-block FSDP2 units (model.fsdp_unit block), so
        the ratios are those of the one-unit layout alone
@@ -49,18 +49,17 @@ from torch.utils.checkpoint import checkpoint
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import config as C  # noqa: E402
-import dataset  # noqa: E402
-import optim  # noqa: E402
-import packed_attention  # noqa: E402
-import packing  # noqa: E402
+from sqltask import chat, dataset  # noqa: E402
+from trainer import optim  # noqa: E402
+from trainer import packed_attention  # noqa: E402
+from trainer import packing  # noqa: E402
 import padded  # noqa: E402  (bench/padded.py: the dense mask)
-import gold  # noqa: E402
 import sft  # noqa: E402
-import tiny  # noqa: E402
-import policy_update  # noqa: E402
-from distributed import all_sum, close, each_micro_batch, setup_dist, shard  # noqa: E402
+from toy import tiny  # noqa: E402
+import grpo  # noqa: E402
+from trainer import policy_update  # noqa: E402
+from trainer.distributed import all_sum, close, each_micro_batch, setup_dist, shard  # noqa: E402
 from model import Transformer  # noqa: E402
-import rollout  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 
 FOR_ROWS = packed_attention.for_rows
@@ -104,9 +103,9 @@ def gold_data(cfg, tok, n: int):
     exs = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
     random.Random(0).shuffle(exs)
     exs = exs[:n]
-    prompts = [rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in exs]
+    prompts = [chat.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in exs]
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in exs]
-    return prompts, gold.build_dataset(exs, prompts, tok, cfg, db_paths)
+    return prompts, sft.build_dataset(exs, prompts, tok, cfg, db_paths)
 
 
 def grpo_batch(prompts, data, n_prompts: int, G: int, seed: int) -> list[Trajectory]:
@@ -142,12 +141,11 @@ class Arm:
     def update(self, trajs, adv, world, device) -> tuple[float, dict]:
         packed_attention.for_rows = DenseRows if self.dense else FOR_ROWS
         t0 = time.perf_counter()
-        sums, grad_norms = {}, []  # the update as train.main runs it
-        logps = policy_update.batch_logprobs(self.model, None, trajs, self.cfg, device)
-        for idx in policy_update.mini_batches(len(trajs), self.cfg.grpo):
-            policy_update.update(self.model, trajs, idx, adv, logps, self.cfg, world, device, sums)
-            grad_norms.append(optim.step_optimizer(self.model, self.opt, self.sch, self.cfg.optim))
-        m = {k: v / max(w, 1e-9) for k, (v, w) in sums.items()}
+        per_token = [adv[i].expand(len(t.token_turns())).clone() for i, t in enumerate(trajs)]
+        m = policy_update.update_policy(self.model, None, self.opt, self.sch, trajs, per_token,  # as train.grpo_step
+                                        grpo.PolicyLoss(self.cfg.grpo, self.cfg.sampling.max_context), self.cfg,
+                                        world, device)
+        grad_norms = m.pop("grad_norms")
         return time.perf_counter() - t0, {**m, "grad_norm": grad_norms[-1]}
 
     def sft_steps(self, batches, world, device) -> tuple[float, list]:
@@ -187,7 +185,7 @@ def main():
                          f"--data.train_path={d}/toy/train.jsonl", f"--data.eval_path={d}/toy/eval.jsonl",
                          f"--model.path={d}/model"])
     if rank == 0:
-        tiny.prepare_assets(cfg)
+        tiny.prepare_assets(cfg, Transformer, sft.gold_texts)
     if world > 1:
         torch.distributed.barrier()
     from transformers import AutoTokenizer

@@ -23,10 +23,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import config as C  # noqa: E402
-import dataset  # noqa: E402
-import episodes  # noqa: E402
+from sqltask import dataset  # noqa: E402
+from rollout import sample_episodes  # noqa: E402
+from trainer.run_log import Phases  # noqa: E402
+from trainer.distributed import PeakMemory  # noqa: E402
 from model import Transformer  # noqa: E402
-from policy_sampler import PolicySampler  # noqa: E402
+from trainer.policy_sampler import PolicySampler  # noqa: E402
 
 
 def main():
@@ -54,8 +56,9 @@ def main():
     for rep in range(a.pairs + 1):
         ids = {}
         for w in cfgs:
-            t0 = time.time()
-            trajs, _, t_roll, _ = episodes.run_episodes(samplers[w], tok, exs, cfgs[w], n=G, seed=rep, greedy=False)
+            t0, phase = time.time(), Phases(PeakMemory(torch.device("cpu")))
+            trajs = [e.trajectory for e in sample_episodes(samplers[w], tok, exs, cfgs[w], n=G, seed=rep, phase=phase)]
+            t_roll = phase.pop()["rollout"]
             ids[w] = [list(t.ids) for t in trajs]
             if rep:
                 times[w].append(t_roll)

@@ -25,12 +25,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import lora  # noqa: E402
-import tiny  # noqa: E402
+from trainer import lora  # noqa: E402
+from toy import tiny  # noqa: E402
 from bench.sampler import SHAPES  # noqa: E402
 from config import ModelConfig, SamplingConfig  # noqa: E402
 from model import Transformer  # noqa: E402
-from policy_sampler import PolicySampler  # noqa: E402
+from trainer.policy_sampler import PolicySampler  # noqa: E402
 from rollout import generate  # noqa: E402
 
 
@@ -50,7 +50,7 @@ def main():
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     d = tempfile.mkdtemp()
-    tiny.build_tiny_model(d, **SHAPES[args.shape])
+    tiny.build_tiny_model(Transformer, d, **SHAPES[args.shape])
     model = Transformer.from_pretrained(d, dtype=dtype, device=dev)
     lora.apply(model, ModelConfig(lora_rank=args.rank, lora_alpha=2.0 * args.rank, lora_targets=args.targets))
     with torch.no_grad():

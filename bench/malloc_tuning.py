@@ -3,7 +3,7 @@ in alternating fresh processes (the setting lasts for a process, so the two arms
 off, on, on, off, ... one process per arm and pair, medians of the ratios.
 
 Each process: configs/tiny.yaml, 1 thread, no process group. A rollout of `--prompts` training
-questions x grpo.group_size samples (episodes.run_episodes, the sampler train.py uses), then
+questions x grpo.group_size samples (rollout.sample_episodes, the sampler train.py uses), then
 `--sft-steps` SFT steps of half an sft.batch_size (one rank's share) on gold episodes.
 --model: an HF folder; a warm-start checkpoint (runs/tiny/ckpt_000000/hf after the main command)
 gives real episode lengths. The default, the untrained tiny model, never stops a turn early, so
@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 
 def arm(tuned: bool, model_path: str, prompts: int, sft_steps: int) -> dict:
     """One process's measurement (run in a fresh interpreter by main)."""
-    import malloc_tuning
+    from trainer import malloc_tuning
     if tuned and not malloc_tuning.keep_freed_memory():
         raise SystemExit("mallopt is unavailable here (not glibc): nothing to compare")
     import torch
@@ -36,15 +36,13 @@ def arm(tuned: bool, model_path: str, prompts: int, sft_steps: int) -> dict:
     from transformers import AutoTokenizer
 
     import config as C
-    import dataset
-    import episodes
-    import gold
-    import optim
-    import rollout
+    from sqltask import chat, dataset
+    from trainer import optim
     import sft
-    import tiny
+    from toy import tiny
     from model import Transformer
-    from policy_sampler import PolicySampler
+    from rollout import sample_episodes
+    from trainer.policy_sampler import PolicySampler
     cfg = C.load_config([os.path.join(ROOT, "configs", "tiny.yaml")])
     tiny.prepare_toy_set(cfg.data)
     path = model_path or cfg.model.path
@@ -54,12 +52,12 @@ def arm(tuned: bool, model_path: str, prompts: int, sft_steps: int) -> dict:
     G = cfg.grpo.group_size
     sampler = PolicySampler(model, cfg.sampling)
     sampler.refresh(model)
-    episodes.run_episodes(sampler, tok, exs[:8], cfg, n=G, seed=0, greedy=False)  # warm-up
+    sample_episodes(sampler, tok, exs[:8], cfg, n=G, seed=0)  # warm-up
     t0 = time.perf_counter()
-    episodes.run_episodes(sampler, tok, exs[8:8 + prompts], cfg, n=G, seed=1, greedy=False)
+    sample_episodes(sampler, tok, exs[8:8 + prompts], cfg, n=G, seed=1)
     t_rollout = time.perf_counter() - t0
-    prompts_txt = [rollout.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in exs]
-    data = gold.build_dataset(exs, prompts_txt, tok, cfg, [dataset.abs_db_path(e, cfg.data.db_root) for e in exs])
+    prompts_txt = [chat.render_prompt(tok, ex, cfg.data, cfg.env.protocol, cfg.data.db_root) for ex in exs]
+    data = sft.build_dataset(exs, prompts_txt, tok, cfg, [dataset.abs_db_path(e, cfg.data.db_root) for e in exs])
     opt, sch = optim.make_optimizer(model, cfg.optim, cfg.sft.lr, 0, 1000)
     rng = random.Random(0)
     model.train()

@@ -28,11 +28,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import tiny  # noqa: E402
+from toy import tiny  # noqa: E402
 from config import SamplingConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from model import Transformer  # noqa: E402
-from paged_attention import PagedBatch, PagedKVCache  # noqa: E402
+from engine.paged_attention import PagedBatch, PagedKVCache  # noqa: E402
 from sampler import SHAPES  # noqa: E402  (bench/sampler.py: the script's folder is on sys.path)
 from engine.sampling import StopChecker, row_key  # noqa: E402
 from engine.scheduler import Sequence  # noqa: E402
@@ -84,7 +84,7 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     d = tempfile.mkdtemp(prefix="bench_multiturn_")
-    tiny.build_tiny_model(d, **SHAPE)
+    tiny.build_tiny_model(Transformer, d, **SHAPE)
     model = Transformer.from_pretrained(d)
     g = torch.Generator().manual_seed(0)
     obs = torch.randint(0, SHAPE["vocab_size"], (40,), generator=g).tolist()

@@ -1,5 +1,5 @@
 """The padded per-sequence update layout and the dense attention mask: the references the packed
-path (packing.py, packed_attention.py) is measured and tested against. Used by bench/ and tests/,
+path (trainer/packing.py, trainer/packed_attention.py) is measured and tested against. Used by bench/ and tests/,
 not by training.
 
     for mb in pack([len(t.ids) for t in trajs], budget):      # micro-batches of sequence indices
@@ -25,7 +25,7 @@ def pack(lengths: list[int], budget: int) -> list[list[int]]:
 
 def dense_mask(doc: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
     """The packed rows' attention rule as a dense (B, 1, T, T) bool mask for SDPA (True = may
-    attend), the reference packed_attention.py is tested against. doc, seg (B, T): query q may see
+    attend), the reference trainer/packed_attention.py is tested against. doc, seg (B, T): query q may see
     key k iff same unit, k <= q, and k is in the prompt (seg 0) or in q's own response."""
     ar = torch.arange(doc.shape[1], device=doc.device)
     causal = ar[None, :] <= ar[:, None]  # (T, T)

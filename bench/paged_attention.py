@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import paged_attention as pa  # noqa: E402
+from engine import paged_attention as pa  # noqa: E402
 
 H, HK, D, BS = 14, 2, 64, 16  # Qwen2.5-0.5B attention
 HBM_TBPS = {"H100": 3.35, "H200": 4.8}

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import SamplingConfig  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
-from policy_sampler import PolicySampler  # noqa: E402
+from trainer.policy_sampler import PolicySampler  # noqa: E402
 from engine.sampling import StopChecker, row_key  # noqa: E402
 from engine.scheduler import Sequence  # noqa: E402
 

@@ -1,13 +1,14 @@
 """One full RL step of configs/tiny.yaml, split into rollout / reward / update (one process).
 
-Builds the toy set and the tiny random model of configs/tiny.yaml in a temp folder (train.py's
-prepare_assets), then runs train.py's own pieces: run_episodes (rollout with rollout.rollout,
-then reward.episode_rewards), grpo.advantages and update, on prompts_per_step x group_size
-episodes. A random model never writes a solution, so every episode runs all max_turns turns to
-max_new_tokens: the rollout share is the worst case (pass --model a trained checkpoint's hf/
-folder for a realistic one). grpo.dynamic_sampling is not applied (it would drop every group of
-a random model): the update runs on all P x G episodes, again the worst case. Step 1 is a
-warm-up (SQL pool start-up, page cache); the headline is the median of the later steps.
+Builds the toy set and the tiny random model of configs/tiny.yaml in a temp folder (the run's own
+asset builder), then runs train.py's own step, train.grpo_step (sample and reward, keep mask,
+credit, update, weight sync), on prompts_per_step x group_size episodes with the run's optimizer
+(optim.make_optimizer). A random model never writes a solution, so every episode runs all
+max_turns turns to max_new_tokens: the rollout share is the worst case (pass --model a trained
+checkpoint's hf/ folder for a realistic one). With the random model grpo.dynamic_sampling is off
+(it would drop every group: all rewards are -1), so the update runs on all P x G episodes, again
+the worst case; with --model the config's keep mask applies. Step 1 is a warm-up (SQL pool
+start-up, page cache); the headline is the median of the later steps.
 
     .venv/bin/python bench/rl_step.py [--steps 3] [--threads 2] [--model DIR] [--prompts 32] [--toy DIR]
 
@@ -25,15 +26,16 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import config as C  # noqa: E402
-import dataset  # noqa: E402
-import grpo  # noqa: E402
-import optim  # noqa: E402
-import episodes  # noqa: E402
-import tiny  # noqa: E402
-import policy_update  # noqa: E402
+from sqltask import dataset  # noqa: E402
+from trainer import optim  # noqa: E402
+from toy import tiny  # noqa: E402
 import train  # noqa: E402
+from trainer.distributed import PeakMemory  # noqa: E402
+from eval import summarise  # noqa: E402
 from model import Transformer  # noqa: E402
-from policy_sampler import PolicySampler  # noqa: E402
+import sft  # noqa: E402
+from trainer.run_log import Log, Phases  # noqa: E402
+from trainer.policy_sampler import PolicySampler  # noqa: E402
 
 
 def main():
@@ -48,49 +50,45 @@ def main():
     d = a.toy or tempfile.mkdtemp(prefix="bench_rl_step_")
     cfg = C.load_config([os.path.join(ROOT, "configs", "tiny.yaml"), f"--data.db_root={d}/toy",
                          f"--data.train_path={d}/toy/train.jsonl", f"--data.eval_path={d}/toy/eval.jsonl",
-                         f"--model.path={a.model or d + '/model'}"])
+                         f"--model.path={a.model or d + '/model'}", f"--train.out_dir={d}/run"])
     if a.prompts:
         cfg.grpo.prompts_per_step = a.prompts
+    if not a.model:
+        cfg.grpo.dynamic_sampling = False  # a random model's groups are all equal: keep them all
     t0 = time.time()
-    tiny.prepare_assets(cfg)
+    tiny.prepare_assets(cfg, Transformer, sft.gold_texts)
     print(f"assets built in {time.time() - t0:.1f}s")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     model = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32)
     exs = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
-    o, P, G = cfg.optim, cfg.grpo.prompts_per_step, cfg.grpo.group_size
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
-    sch = torch.optim.lr_scheduler.LambdaLR(opt, optim.lr_lambda(0, 100, "constant"))
+    o, P, G, cpu = cfg.optim, cfg.grpo.prompts_per_step, cfg.grpo.group_size, torch.device("cpu")
+    opt, sch = optim.make_optimizer(model, o, o.lr, o.warmup_steps, a.steps)
+    sampler = PolicySampler(model, cfg.sampling)
+    sampler.refresh(model)  # the weights GRPO starts from (train.main syncs once before its loop)
+    run = train.Run(model, None, sampler, opt, sch, tok, cfg, Log(cfg, rank=1), rank=0, world=1, device=cpu)
     stream = train.PromptStream(len(exs), cfg.train.seed)
-    sampler, cpu = PolicySampler(model, cfg.sampling), torch.device("cpu")
     print(f"configs/tiny.yaml: {P} prompts x {G} samples, max_turns {cfg.env.max_turns}, max_new_tokens "
           f"{cfg.sampling.max_new_tokens}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
-          f"1 process, {a.threads} threads" + (" (dynamic sampling off here: update on every episode)"
-                                               if cfg.grpo.dynamic_sampling else ""))
+          f"1 process, {a.threads} threads, dynamic sampling {'on' if cfg.grpo.dynamic_sampling else 'off'}")
     rows = []
     for step in range(a.steps):
-        batch = [exs[i] for i in stream.take(P)]
+        phase = Phases(PeakMemory(cpu))
         t0 = time.time()
-        sampler.refresh(model)  # weight sync (train.py: after each optimizer step)
-        trajs, rw, t_roll, t_rew = episodes.run_episodes(sampler, tok, batch, cfg, n=G, seed=step, greedy=False)
-        adv = grpo.advantages(torch.tensor([r["reward"] for r in rw]), G, cfg.grpo.advantage, cfg.grpo.adv_eps)
-        t1 = time.time()
-        logps = policy_update.batch_logprobs(model, None, trajs, cfg, cpu)  # the update as train.main runs it
-        for idx in policy_update.mini_batches(len(trajs), cfg.grpo):
-            policy_update.update(model, trajs, idx, adv, logps, cfg, 1, cpu, {})
-            optim.step_optimizer(model, opt, sch, cfg.optim)
-        t_upd = time.time() - t1
+        kept, seen, _ = train.grpo_step(run, exs, stream, step, phase)  # the step train.main runs
         total = time.time() - t0
-        s = episodes.summarise(trajs, rw)
+        t = phase.pop()
+        t_roll, t_rew, t_upd = t.get("rollout", 0.0), t.get("reward", 0.0), t.get("update", 0.0) + t.get("sync", 0.0)
+        s = summarise(seen)
         rows.append((t_roll, t_rew, t_upd, total))
         print(f"step {step + 1}{' (warm-up)' if step == 0 and a.steps > 1 else ''}: total {total:.1f}s = rollout "
-              f"{t_roll:.1f}s + reward {t_rew:.2f}s + update {t_upd:.1f}s | {s['resp_tokens']} sampled tokens "
-              f"({s['resp_tokens'] / t_roll:.0f}/s), turns {s['turns'] / s['n']:.2f}, "
-              f"reward {s['reward'] / s['n']:+.2f}", flush=True)
+              f"{t_roll:.1f}s + reward {t_rew:.2f}s + update and sync {t_upd:.1f}s | {s['resp_tokens']} sampled "
+              f"tokens ({s['resp_tokens'] / max(t_roll, 1e-9):.0f}/s), turns {s['turns'] / s['n']:.2f}, "
+              f"reward {s['reward'] / s['n']:+.2f}, {len(kept)} episodes trained", flush=True)
     timed = rows[1:] or rows
     med = [statistics.median(r[i] for r in timed) for i in range(4)]
     print(f"median of {len(timed)} step(s): rollout {med[0]:.1f}s ({100 * med[0] / med[3]:.0f}%), reward "
-          f"{med[1]:.2f}s ({100 * med[1] / med[3]:.0f}%), update {med[2]:.1f}s ({100 * med[2] / med[3]:.0f}%)")
+          f"{med[1]:.2f}s ({100 * med[1] / med[3]:.0f}%), update and sync {med[2]:.1f}s ({100 * med[2] / med[3]:.0f}%)")
     print(f"rl_step_s: {med[3]:.1f}")
 
 

@@ -41,10 +41,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config as C  # noqa: E402
-import dataset  # noqa: E402
+from sqltask import dataset  # noqa: E402
 import rollout as rollout_module  # noqa: E402
-import tiny  # noqa: E402
+from toy import tiny  # noqa: E402
 from model import Transformer  # noqa: E402
+import sft  # noqa: E402
 from sampler import SHAPES  # noqa: E402  (bench/sampler.py: the script's folder is on sys.path)
 
 RECIPE_BUDGET, RECIPE_CONTEXT = 400_000, 29_000  # configs/skyrl_sql_7b.yaml, per GPU
@@ -134,11 +135,11 @@ def main():
                 f"sampling.max_context={a.max_context}", f"sampling.block_size={a.block_size}"]
     cfg = C.load_config([os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")]
                         + ["--" + s for s in settings])
-    tiny.prepare_assets(cfg)
+    tiny.prepare_assets(cfg, Transformer, sft.gold_texts)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     if a.shape:  # that shape, the toy tokenizer's vocabulary
-        tiny.build_tiny_model(f"{root}/shaped", **dict(SHAPES[a.shape], vocab_size=len(tok)))
+        tiny.build_tiny_model(Transformer, f"{root}/shaped", **dict(SHAPES[a.shape], vocab_size=len(tok)))
         model = Transformer.from_pretrained(f"{root}/shaped", dtype=dtype, device=dev)
     else:
         model = Transformer.from_pretrained(cfg.model.path, dtype=dtype, device=dev)

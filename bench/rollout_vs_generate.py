@@ -24,11 +24,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config as C  # noqa: E402
-import dataset  # noqa: E402
-import tiny  # noqa: E402
-from distributed import compute_dtype  # noqa: E402
+from sqltask import dataset  # noqa: E402
+from toy import tiny  # noqa: E402
+from trainer.distributed import compute_dtype  # noqa: E402
 from model import Transformer  # noqa: E402
-from policy_sampler import PolicySampler  # noqa: E402
+import rollout as rollout_module  # noqa: E402
+import sft  # noqa: E402
+from trainer.policy_sampler import PolicySampler  # noqa: E402
 
 
 def turn_shapes(trajs) -> list[tuple[int, float, int]]:
@@ -49,7 +51,7 @@ def main(argv=None):
         argv += ["--grpo.prompts_per_step=2", "--grpo.group_size=2", "--sampling.max_new_tokens=8",
                  "--model.dtype=float32", "--sampling.kv_budget_tokens=20000"]
     cfg = C.load_config(argv)
-    tiny.prepare_assets(cfg)  # the toy set (and a tiny model) when the config asks and they are absent
+    tiny.prepare_assets(cfg, Transformer, sft.gold_texts)  # the toy set (and a tiny model) when the config asks and they are absent
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = compute_dtype(cfg)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -63,7 +65,8 @@ def main(argv=None):
     def ours(seed):
         sync()
         t0 = time.perf_counter()
-        trajs = sampler.rollout(tok, examples, cfg.env, cfg.data, cfg.data.db_root, n=cfg.grpo.group_size, seed=seed)
+        trajs = rollout_module.rollout(sampler.model, tok, examples, cfg.env, cfg.sampling, cfg.data, cfg.data.db_root,
+                                       n=cfg.grpo.group_size, seed=seed, engine=sampler.engine)
         sync()
         return trajs, time.perf_counter() - t0
 

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import tiny  # noqa: E402
+from toy import tiny  # noqa: E402
 from config import SamplingConfig  # noqa: E402
 from model import Transformer  # noqa: E402
-from paged_attention import PagedBatch, PagedKVCache  # noqa: E402
+from engine.paged_attention import PagedBatch, PagedKVCache  # noqa: E402
 from rollout import generate  # noqa: E402
 
 SHAPES = {
@@ -102,7 +102,7 @@ def main():
     dtype = getattr(torch, a.dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
     shape = SHAPES[a.shape]
     d = tempfile.mkdtemp(prefix="bench_sampler_")
-    tiny.build_tiny_model(d, **shape)
+    tiny.build_tiny_model(Transformer, d, **shape)
     ours = Transformer.from_pretrained(d, dtype=dtype, device=dev)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(dev).eval()
     gbps = a.hbm_gbps or (hbm_gbps(dev) if dev.type == "cuda" else 0.0)

@@ -1,4 +1,4 @@
-"""Per-query overhead of the SQL tool (sandbox.py) beyond SQLite's own time.
+"""Per-query overhead of the SQL tool (sqltask/sandbox.py) beyond SQLite's own time.
 
 Queries: the executable Spider dev golds (or, without Spider, cheap queries on a generated
 database). For each query, in one process, the best of `--repeats` timings of:
@@ -19,7 +19,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import sandbox  # noqa: E402
+from sqltask import sandbox  # noqa: E402
 
 SPIDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "spider")
 

@@ -4,7 +4,7 @@
                                        [--data runs/toy/eval.jsonl] [--db-root runs/toy] [--max-turns N]
 
 Runs `eval.py generate` (greedy, the training rollout) into --out, then joins its traces.jsonl with
-the records' `lookup_sql` (data/prepare_toy.py: non-empty = the question names a category the
+the records' `lookup_sql` (toy/prepare_toy.py: non-empty = the question names a category the
 database stores as a code, so only a lookup shows the right literal). Prints one JSON line:
 EX overall / on tool questions / on refine questions (the tool questions whose natural lookup
 returns no rows: `first_lookup_sql`) / on direct questions, tool calls per episode on each kind, how

@@ -20,8 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "data"))
-from prepare_toy import prepare_toy, wildcard_shares  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
+from toy.prepare_toy import prepare_toy, wildcard_shares  # noqa: E402
 
 GOAL = 0.05
 

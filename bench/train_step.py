@@ -32,14 +32,15 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import config as C  # noqa: E402
-import tiny  # noqa: E402
-import distributed  # noqa: E402
+from toy import tiny  # noqa: E402
+from trainer import distributed  # noqa: E402
 import grpo  # noqa: E402
-import packing  # noqa: E402
-import optim  # noqa: E402
-import policy_update  # noqa: E402
+from trainer import packing  # noqa: E402
+from trainer import optim  # noqa: E402
+from trainer import policy_update  # noqa: E402
 from padded import pack, token_logprobs  # noqa: E402  (this folder: the padded reference)
 from model import Transformer  # noqa: E402
+from rollout import Trajectory  # noqa: E402
 from sampler import SHAPES  # noqa: E402
 
 
@@ -49,8 +50,7 @@ def traj(prompt, turns, r, vocab):
     for sampled, obs in turns:
         ids += [r.randrange(vocab) for _ in range(sampled + obs)]
         mask += [1] * sampled + [0] * obs
-    return SimpleNamespace(prompt_ids=list(prompt), ids=ids, loss_mask=mask,
-                           logprobs=[-r.random() if m else 0.0 for m in mask])
+    return Trajectory.of(list(prompt), ids, mask, [-r.random() if m else 0.0 for m in mask])
 
 
 def fake_batch(n: int, vocab: int, seed: int = 0) -> list:
@@ -129,7 +129,7 @@ def main_procs(a):
     cfg = C.load_config([os.path.join(ROOT, "configs", "tiny.yaml")])
     m = cfg.model
     d = tempfile.mkdtemp(prefix="bench_train_step_")
-    tiny.build_tiny_model(d, vocab_size=m.tiny_vocab_size, hidden_size=m.tiny_hidden_size, layers=m.tiny_layers,
+    tiny.build_tiny_model(Transformer, d, vocab_size=m.tiny_vocab_size, hidden_size=m.tiny_hidden_size, layers=m.tiny_layers,
                           heads=m.tiny_heads, kv_heads=m.tiny_kv_heads, intermediate_size=m.tiny_intermediate_size)
     n_params = sum(p.numel() for p in Transformer.from_pretrained(d).parameters())
     print(f"model: configs/tiny.yaml shape, {n_params / 1e6:.2f}M params; batch {a.seqs} seqs; "
@@ -171,25 +171,25 @@ def padded_update(model, optimizer, scheduler, trajs, adv, cfg, device) -> dict:
         ids = packing.pad([trajs[i].ids for i in mb], 0, device)
         mask = packing.pad([trajs[i].loss_mask for i in mb], 0, device, torch.float32)[:, 1:]
         lp, ent = token_logprobs(model, ids, T)
-        loss, _ = grpo.policy_loss(lp, lp.detach(), adv[mb].to(device), mask, clip_low=g.clip_low,
-                                         clip_high=g.clip_high, agg=g.loss_agg, norm=norm, entropy=ent)
+        inputs = policy_update.LossInputs(lp, lp.detach(), None, None, mask, adv[mb].to(device)[:, None] * mask,
+                                          torch.zeros_like(mask, dtype=torch.long), ent)
+        loss, _ = grpo.policy_loss(inputs, clip_low=g.clip_low, clip_high=g.clip_high, agg=g.loss_agg, norm=norm)
         loss.backward()
     return {"grad_norm": optim.step_optimizer(model, optimizer, scheduler, cfg.optim)}
 
 
 def packed_update(model, optimizer, scheduler, trajs, adv, cfg, world, device) -> float:
-    """The update as train.main runs it (packed): batch_logprobs, then per mini-batch policy_update.update
-    and the optimizer step. Returns the last step's gradient norm."""
-    logps = policy_update.batch_logprobs(model, None, trajs, cfg, device)
-    for idx in policy_update.mini_batches(len(trajs), cfg.grpo):
-        policy_update.update(model, trajs, idx, adv, logps, cfg, world, device, {})
-        grad_norm = optim.step_optimizer(model, optimizer, scheduler, cfg.optim)
-    return grad_norm
+    """The update as train.grpo_step runs it (packed): policy_update.update_policy (old logprobs when
+    needed, then per mini-batch the update and the optimizer step). Returns the last step's gradient norm."""
+    per_token = [adv[i].expand(len(t.token_turns())).clone() for i, t in enumerate(trajs)]
+    m = policy_update.update_policy(model, None, optimizer, scheduler, trajs, per_token,
+                                    grpo.PolicyLoss(cfg.grpo, cfg.sampling.max_context), cfg, world, device)
+    return m["grad_norms"][-1]
 
 
 def build(shape: dict, dtype, device):
     d = tempfile.mkdtemp(prefix="bench_train_step_")
-    tiny.build_tiny_model(d, **shape)
+    tiny.build_tiny_model(Transformer, d, **shape)
     model = Transformer.from_pretrained(d, dtype=dtype, device=device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
     sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

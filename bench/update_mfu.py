@@ -48,14 +48,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
 import config as C  # noqa: E402
-import distributed  # noqa: E402
+from trainer import distributed  # noqa: E402
 import grpo  # noqa: E402
-import optim  # noqa: E402
-import packed_attention  # noqa: E402
-import packing  # noqa: E402
-import policy_update  # noqa: E402
+from trainer import optim  # noqa: E402
+from trainer import packed_attention  # noqa: E402
+from trainer import packing  # noqa: E402
+from trainer import policy_update  # noqa: E402
 from long_microbatch import PEAK_BF16_FLOPS, SHAPES  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
+from rollout import Trajectory  # noqa: E402
 
 BYTES_PER_PARAM = 20  # fp32 master + fp32 grad + two AdamW moments + foreach AdamW's temporaries
 
@@ -73,8 +74,7 @@ def unit(rng: random.Random, vocab: int, prompt: int, group: int, response: int,
     for _ in range(group):
         ids = prompt_ids + [rng.randrange(vocab) for _ in range(response)]
         mask = [0] * prompt + [1] * first + [0] * obs + [1] * (response - first - obs)
-        out.append(SimpleNamespace(prompt_ids=prompt_ids, ids=ids, loss_mask=mask,
-                                   logprobs=[-rng.random() if m else 0.0 for m in mask]))
+        out.append(Trajectory.of(prompt_ids, ids, mask, [-rng.random() if m else 0.0 for m in mask]))
     return out
 
 
@@ -201,28 +201,27 @@ def causal_kernel():
 
 
 def microbatch_pass(model, mb, cfg, device, sync) -> float:
-    """Seconds of one micro-batch as policy_update.update runs it: forward, policy loss, backward."""
+    """Seconds of one micro-batch as policy_update.update runs it: forward, LossInputs, policy loss, backward."""
     model.zero_grad(set_to_none=True)
     sync()
     start = time.perf_counter()
     lp_flat, ent_flat = packing.forward(model, mb, device, cfg.sampling.temperature)
     lp, ent = packing.pad_flat(lp_flat, mb.counts), packing.pad_flat(ent_flat, mb.counts)
     mask = packing.pad_flat(torch.ones_like(lp_flat.detach()), mb.counts)
-    adv = torch.tensor([(-1.0) ** i for i in range(len(mb.counts))], device=device)
-    loss, _ = grpo.policy_loss(lp, lp.detach(), adv, mask, norm=float(mask.sum()), entropy=ent,
-                               **grpo.loss_kwargs(cfg.grpo, cfg.sampling.max_context))
+    adv = torch.tensor([(-1.0) ** i for i in range(len(mb.counts))], device=device)[:, None] * mask
+    inputs = policy_update.LossInputs(lp, lp.detach(), None, None, mask, adv, torch.zeros_like(mask, dtype=torch.long), ent)
+    loss, _ = grpo.policy_loss(inputs, norm=float(mask.sum()), **grpo.loss_kwargs(cfg.grpo, cfg.sampling.max_context))
     loss.backward()
     sync()
     return time.perf_counter() - start
 
 
 def optimizer_step(model, opt, sched, trajs, adv, cfg, device):
-    """One optimizer step of the update as train.main runs it: policy_update.update over every
-    micro-batch (one mini-batch), then optim.step_optimizer (clip + AdamW)."""
-    logps = policy_update.batch_logprobs(model, None, trajs, cfg, device)
-    for idx in policy_update.mini_batches(len(trajs), cfg.grpo):
-        policy_update.update(model, trajs, idx, adv, logps, cfg, 1, device, {})
-        optim.step_optimizer(model, opt, sched, cfg.optim)
+    """One optimizer step of the update as train.grpo_step runs it: policy_update.update_policy over
+    every micro-batch (one mini-batch), then optim.step_optimizer (clip + AdamW)."""
+    per_token = [adv[i].expand(len(t.token_turns())).clone() for i, t in enumerate(trajs)]
+    policy_update.update_policy(model, None, opt, sched, trajs, per_token,
+                                grpo.PolicyLoss(cfg.grpo, cfg.sampling.max_context), cfg, 1, device)
 
 
 def peak_gib(cuda: bool) -> float:

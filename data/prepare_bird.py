@@ -1,4 +1,4 @@
-"""BIRD (dev / train json, with evidence) -> canonical jsonl (dataset.py).
+"""BIRD (dev / train json, with evidence) -> canonical jsonl (sqltask/dataset.py).
 
     python data/prepare_bird.py --src path/to/bird --out runs/bird [--splits dev,train] [--no-exec]
 
@@ -18,8 +18,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: dataset.py
-from dataset import make_record, run_golds, write_jsonl  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: sqltask/dataset.py
+from sqltask.dataset import make_record, run_golds, write_jsonl  # noqa: E402
 
 
 def find_split(src: Path, split: str) -> tuple[Path, Path] | None:

@@ -1,4 +1,4 @@
-"""SkyRL-SQL-653 (parquet) and OmniSQL-style json -> canonical jsonl (dataset.py).
+"""SkyRL-SQL-653 (parquet) and OmniSQL-style json -> canonical jsonl (sqltask/dataset.py).
 
     python data/prepare_skyrl.py --src DATA.parquet|DIR --out runs/skyrl \
         --synsql-root .../SynSQL-2.5M --spider-root .../spider [--bird-root .../bird]
@@ -25,8 +25,8 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: dataset.py
-from dataset import make_record, run_golds, write_jsonl  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: sqltask/dataset.py
+from sqltask.dataset import make_record, run_golds, write_jsonl  # noqa: E402
 
 DB_SUBDIRS = ["databases", "database", "train_databases", "train/train_databases", "dev_databases",
               "dev/dev_databases", "test_database", "."]

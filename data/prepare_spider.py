@@ -1,7 +1,7 @@
-"""Spider (and its Realistic / Syn / DK variants) -> canonical jsonl (dataset.py).
+"""Spider (and its Realistic / Syn / DK variants) -> canonical jsonl (sqltask/dataset.py).
 
-    python data/prepare_spider.py --src ../shared/data/spider --out runs/spider
-    python data/prepare_spider.py --src ../shared/data/spider --out runs/spider --variant all
+    python data/prepare_spider.py --src $SPIDER_DIR --out runs/spider        # SPIDER_DIR: Spider's release folder
+    python data/prepare_spider.py --src $SPIDER_DIR --out runs/spider --variant all
 
 --variant spider (default): dev.json + train_spider.json (or train_spider.jsonl) -> dev.jsonl,
     train.jsonl, skipped.jsonl.
@@ -23,8 +23,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: dataset.py
-from dataset import make_record, run_gold, write_jsonl  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: sqltask/dataset.py
+from sqltask.dataset import make_record, run_gold, write_jsonl  # noqa: E402
 
 VARIANTS = ("realistic", "syn", "dk")
 

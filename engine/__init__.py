@@ -1,4 +1,4 @@
-"""The sampler's engine: generic (no text-to-SQL in it), used through policy_sampler.py and rollout.py.
+"""The sampler's engine: generic (no text-to-SQL in it), used through trainer/policy_sampler.py and rollout.py.
 
     engine.py         Engine: schedule -> run -> postprocess, one forward (or decode window) per step()
     scheduler.py      Sequence and continuous batching: which sequences the next forward runs
@@ -6,6 +6,5 @@
     model_runner.py   a forward's inputs and attention metadata, the forward, the samples
     sampling.py       per-token sampling (counter-based noise) and the incremental stop-string checker
     cuda_graphs.py    CUDA graphs of the decode forward, one per (batch, blocks) bucket
-
-The paged KV cache and the attention over it are the model's (paged_attention.py, top level).
+    paged_attention.py  the paged KV cache and the model's attention over it (model.forward_paged)
 """

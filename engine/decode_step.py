@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_attention import PagedBatch, PagedKVCache
+from engine.paged_attention import PagedBatch, PagedKVCache
 from engine.sampling import SamplingParams, sample_next, sample_on_device
 
 

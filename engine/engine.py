@@ -25,7 +25,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from engine.block_manager import BlockManager
-from paged_attention import PagedKVCache
+from engine.paged_attention import PagedKVCache
 from engine.model_runner import ModelRunner
 from engine.sampling import StopChecker
 from engine.scheduler import Scheduler, Sequence

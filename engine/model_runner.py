@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_attention import PagedBatch, PagedKVCache
+from engine.paged_attention import PagedBatch, PagedKVCache
 from engine.decode_step import DecodeState, decode_step
 from engine.sampling import SamplingParams, sample_next
 from engine.scheduler import Batch, Sequence

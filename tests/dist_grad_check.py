@@ -22,9 +22,10 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import distributed  # noqa: E402
-from grpo import AGGS, global_norm, policy_loss  # noqa: E402
-from rollout_correction import RolloutIS  # noqa: E402
+from trainer import distributed  # noqa: E402
+from conftest import loss_of  # noqa: E402
+from grpo import AGGS, global_norm  # noqa: E402
+from trainer.rollout_correction import RolloutIS  # noqa: E402
 
 # (loss, aggregation, rollout correction): every aggregation for grpo, and each other variant
 # with a sequence-level or token-level correction (the sampler's logprobs are noise off old's)
@@ -94,10 +95,10 @@ def loss_on(fwd, model, rows, mask, norm, case, batch):
     loss_name, agg, correction = case
     logp = fwd(model, ids[rows, :-1], ids[rows, 1:])
     old, ref, rollout = (logp.detach() + noise[k, rows] for k in range(3))
-    loss, _ = policy_loss(logp, old, adv[rows], mask, loss=loss_name, clip_low=0.2, clip_high=0.28,
-                          dual_clip_c=0.0 if loss_name == "cispo" else 3.0, ref_logp=ref, kl_beta=0.1,
-                          agg=agg, norm=norm, max_len=T, rollout_logp=rollout,
-                          rollout_is=RolloutIS(correction, cap=1.5, low=0.8, high=1.25))
+    loss, _ = loss_of(logp, old, adv[rows], mask, loss=loss_name, clip_low=0.2, clip_high=0.28,
+                      dual_clip_c=0.0 if loss_name == "cispo" else 3.0, ref_logp=ref, kl_beta=0.1,
+                      agg=agg, norm=norm, max_len=T, rollout_logp=rollout,
+                      rollout_is=RolloutIS(correction, cap=1.5, low=0.8, high=1.25))
     return loss
 
 

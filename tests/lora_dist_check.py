@@ -33,13 +33,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint  # noqa: E402
+from trainer import checkpoint  # noqa: E402
 import config as C  # noqa: E402
-import distributed  # noqa: E402
-import lora  # noqa: E402
-import optim  # noqa: E402
+from trainer import distributed  # noqa: E402
+from trainer import lora  # noqa: E402
+from trainer import optim  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
-from policy_sampler import PolicySampler  # noqa: E402
+from trainer.policy_sampler import PolicySampler  # noqa: E402
 
 V, B, T = 37, 6, 11
 

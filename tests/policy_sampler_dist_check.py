@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config as C  # noqa: E402
-import distributed  # noqa: E402
-import lora  # noqa: E402
+from trainer import distributed  # noqa: E402
+from trainer import lora  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
-from policy_sampler import PolicySampler  # noqa: E402
+from trainer.policy_sampler import PolicySampler  # noqa: E402
 
 
 def build(with_lora: bool) -> Transformer:

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
+from trainer import checkpoint
 import config as C
-import optim
-import runguard
-import tiny
+from trainer import optim
+from trainer import runguard
+from toy import tiny
 from model import Transformer
 from test_train import run_train, small_args
 
@@ -25,7 +25,7 @@ from test_train import run_train, small_args
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
-    tiny.build_tiny(str(d), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
+    tiny.build_tiny(Transformer, str(d), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
     return str(d)
 
 

@@ -6,6 +6,7 @@ import pytest
 
 import config as C
 from conftest import ROOT
+from trainer import checkpoint, config_loader
 
 
 def write(tmp_path, text):
@@ -45,7 +46,7 @@ def test_unknown_key_names_closest(key, hint):
     assert key in str(e.value) and hint in str(e.value)
 
 
-@pytest.mark.parametrize("old,new", sorted(C.RENAMED.items()))
+@pytest.mark.parametrize("old,new", sorted(config_loader.RENAMED.items()))
 def test_renamed_key_names_the_new_key(old, new, tmp_path):
     """An old config key fails on the CLI and in a YAML file, and the message names its new key."""
     assert new in C.all_keys()
@@ -59,12 +60,12 @@ def test_a_checkpoint_written_before_a_rename_still_loads():
     """A checkpoint's saved config (C.from_dict) is a record of a past run, not a user's typo: its
     old keys are read under their new names, values kept, so the run resumes after a rename."""
     saved = C.to_dict(C.Config())
-    for i, (old, new) in enumerate(sorted(C.RENAMED.items())):
+    for i, (old, new) in enumerate(sorted(config_loader.RENAMED.items())):
         group, name = old.split(".")
         saved[group].pop(new.split(".")[1])
         saved[group][name] = 7 + i
     cfg = C.all_keys(C.from_dict(saved))
-    assert [cfg[new] for _, new in sorted(C.RENAMED.items())] == [7 + i for i in range(len(C.RENAMED))]
+    assert [cfg[new] for _, new in sorted(config_loader.RENAMED.items())] == [7 + i for i in range(len(config_loader.RENAMED))]
 
 
 def test_unknown_key_in_yaml_and_bad_choice(tmp_path):
@@ -120,4 +121,4 @@ def test_resume_is_a_choice_and_yaml_bools_map_to_it(tmp_path):
 def test_changed_keys_ignores_only_the_resumable_ones():
     a = C.load_config([])
     b = C.load_config(["--train.steps=999", "--train.out_dir=elsewhere", "--optim.lr=3e-4", "--grpo.group_size=3"])
-    assert C.changed_keys(a, b) == ["grpo.group_size", "optim.lr"]
+    assert checkpoint.changed_keys(a, b) == ["grpo.group_size", "optim.lr"]

@@ -1,4 +1,4 @@
-"""config_checks.py: every numeric key has a range, each value outside it is refused naming the key,
+"""trainer/config_checks.py: every numeric key has a range, each value outside it is refused naming the key,
 the keys that must agree do, the model folder is checked before anything loads, and train.py
 refuses a bad config at once: one line, exit 1, nothing run.
 
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import config as C
-import config_checks
+from trainer import config_checks
 from conftest import ROOT
 
 
@@ -146,9 +146,10 @@ def test_a_yaml_syntax_error_is_one_line_with_its_place(tmp_path):
 
 
 def test_model_folder_checks(tmp_path):
-    import tiny
+    from model import Transformer
+    from toy import tiny
     good = tmp_path / "good"
-    tiny.build_tiny(str(good), vocab_size=300, hidden_size=16, layers=1, heads=2, kv_heads=1)
+    tiny.build_tiny(Transformer, str(good), vocab_size=300, hidden_size=16, layers=1, heads=2, kv_heads=1)
     config_checks.check_model_folder(str(good))
     with pytest.raises(C.ConfigError, match="model.path .*nope: no such folder"):
         config_checks.check_model_folder(str(tmp_path / "nope"))

@@ -17,7 +17,7 @@ import yaml
 from conftest import ROOT, build_tiny_assets
 
 import config as C
-import tiny
+from toy import tiny
 import train
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -46,7 +46,7 @@ def test_config_loads_with_paths_of_the_right_shape(path):
     assert cfg.model.path and not cfg.model.path.endswith((".json", ".safetensors")), "model.path is a folder"
     assert cfg.model.build_tiny or not cfg.model.path.startswith("runs/"), "a real model is not built under runs/"
     for p in (cfg.data.train_path, cfg.data.eval_path):
-        assert p.endswith(".jsonl"), f"{path.name}: {p} is not a canonical jsonl (dataset.py)"
+        assert p.endswith(".jsonl"), f"{path.name}: {p} is not a canonical jsonl (sqltask/dataset.py)"
     assert cfg.data.db_root and cfg.train.out_dir.startswith("runs/")
     if not cfg.data.prepare_toy:  # a real data set: its files are prepared by a script in data/
         assert not cfg.data.train_path.startswith("runs/toy")
@@ -111,23 +111,21 @@ def test_config_warm_start_writes_well_formed_episodes_in_its_protocol(path, ass
     reward (dense shaping included), with the lookup whenever the recipe has a turn for it."""
     from transformers import AutoTokenizer
 
-    import dataset
-    import gold
     import reward
     import rollout
+    import sft
+    from sqltask import chat, dataset
     cfg = C.load_config([str(path), *assets, "--env.workers=1"])
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     train_ex = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
     recs = [r for r in train_ex if r["lookup_sql"]][:4] + [r for r in train_ex if not r["lookup_sql"]][:4]
     dbs = [dataset.abs_db_path(r, cfg.data.db_root) for r in recs]
-    prompts = [rollout.render_prompt(tok, r, cfg.data, cfg.env.protocol, cfg.data.db_root) for r in recs]
-    eps = gold.gold_episodes(recs, prompts, tok, cfg, dbs)
-    scores = reward.episode_rewards([{"db_path": d, "gold_sql": r["gold_sql"], "response": e.text,
-                                      "final_sql": e.final_sql, "finished": e.finished, "steps": e.steps}
-                                     for d, r, e in zip(dbs, recs, eps)],
-                                    cfg.reward, cfg.env.protocol, rollout.conversation_pieces(tok, cfg.env))
+    prompts = [chat.render_prompt(tok, r, cfg.data, cfg.env.protocol, cfg.data.db_root) for r in recs]
+    eps = sft.gold_episodes(recs, prompts, tok, cfg, dbs)
+    scores = reward.episode_rewards([rollout.transcript(e, r, cfg.data.db_root) for r, e in zip(recs, eps)],
+                                    cfg.reward, cfg.env.protocol, chat.conversation_pieces(tok, cfg.env))
     for r, e, s in zip(recs, eps, scores):
-        assert s["format_ok"] and s["exec_match"] and s["reward"] >= cfg.reward.correct, (path.name, s, e.text)
+        assert s.format_ok and s.exec_match and s.value >= cfg.reward.correct, (path.name, s, e.text)
         if r["lookup_sql"] and rollout_turns(cfg) > 1:  # the lookup's observation shows the code
             assert any(st["arg"] == r["lookup_sql"] for st in e.steps), (path.name, e.text)
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3
 
 import config as C
 import rollout
-import tiny
+from toy import tiny
 from model import Transformer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu.sh runs it)")
@@ -77,7 +77,7 @@ def _generate(model, tok, prompts, greedy):
 
 
 def test_sampler_on_cuda_matches_cpu_and_full_forward(tmp_path):
-    folder = tiny.build_tiny(tmp_path, vocab_size=512, hidden_size=128, heads=8, kv_heads=2)
+    folder = tiny.build_tiny(Transformer, tmp_path, vocab_size=512, hidden_size=128, heads=8, kv_heads=2)
     tok = AutoTokenizer.from_pretrained(folder)
     cpu_model = Transformer.from_pretrained(folder).eval()
     gpu_model = Transformer.from_pretrained(folder, device="cuda").eval()

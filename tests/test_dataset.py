@@ -1,11 +1,11 @@
-"""dataset.py: the canonical record, the loader's error report, the gold runner."""
+"""sqltask/dataset.py: the canonical record, the loader's error report, the gold runner."""
 import json
 import sqlite3
 
 import pytest
 
 import config as C
-from dataset import (FIELDS, DatasetError, abs_db_path, database_problem, drop_failing_golds, gold_failures,
+from sqltask.dataset import (FIELDS, DatasetError, abs_db_path, database_problem, drop_failing_golds, gold_failures,
                      load_examples, make_record, read_jsonl, run_gold, write_jsonl)
 
 
@@ -112,7 +112,7 @@ def test_unusable_databases_are_named_at_load(root, tmp_path):
 
 def test_failing_golds_are_found_as_the_reward_runs_them(root, tmp_path):
     """A gold that fails on its database can never be matched: every answer to its question scores
-    0. gold_failures runs each one through reward.match_batch (the sandbox; spider mode's rewriting)."""
+    0. gold_failures runs each one through exec_match.match_batch (the sandbox; spider mode's rewriting)."""
     write_jsonl(tmp_path / "d.jsonl", [rec(0), rec(1, gold_sql="SELECT y FROM t"), rec(2, gold_sql="SELECT * FROM nope"),
                                        rec(3, gold_sql="DELETE FROM t")])
     exs = load_examples(tmp_path / "d.jsonl", root)

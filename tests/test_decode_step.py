@@ -16,14 +16,15 @@ import os
 import pytest
 import torch
 
-import tiny
+from model import Transformer
+from toy import tiny
 from config import SamplingConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.decode_step import DecodeState, decode_step
 from engine.engine import Engine
 from engine.sampling import PREFILTER, SamplingParams, StopChecker, row_key
 from engine.scheduler import Sequence
-from paged_attention import PagedBatch, PagedKVCache
+from engine.paged_attention import PagedBatch, PagedKVCache
 
 torch.set_num_threads(2)
 VOCAB = 512  # > PREFILTER: the top-p prefilter runs, and a near-uniform row's nucleus is wider than it
@@ -34,7 +35,7 @@ def models(tmp_path_factory):
     """A tiny random model (near-uniform logits: every top-p nucleus is wide) and a sharpened copy
     (peaked logits: most nuclei close inside the prefilter)."""
     d = tmp_path_factory.mktemp("tiny")
-    flat = tiny.build_tiny_model(d, vocab_size=VOCAB, hidden_size=64, layers=2, heads=4, kv_heads=2).eval()
+    flat = tiny.build_tiny_model(Transformer, d, vocab_size=VOCAB, hidden_size=64, layers=2, heads=4, kv_heads=2).eval()
     sharp = copy.deepcopy(flat)
     with torch.no_grad():
         for name, p in sharp.named_parameters():

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
 import torch, torch.distributed as dist
-import distributed
+from trainer import distributed
 rank, world, device = distributed.setup_dist(60)
 t = torch.ones(3, device=device)  # NCCL (a GPU visible) takes device tensors only
 dist.all_reduce(t)

@@ -18,10 +18,11 @@ import torch
 
 import env
 import rollout as rollout_module
-import tiny
+from toy import tiny
 from config import DataConfig, EnvConfig, SamplingConfig
 from model import Transformer
-from rollout import conversation_wrapper, eos_ids, generate, render_prompt, rollout
+from rollout import generate, rollout
+from sqltask.chat import conversation_wrapper, eos_ids, render_prompt
 from engine.sampling import StopChecker, row_key, sample_next
 
 torch.set_num_threads(2)
@@ -40,7 +41,7 @@ def tok_model(tmp_path_factory):
     tiny.build_tiny_tokenizer(d, vocab_size=512)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(d)
-    model = tiny.build_tiny_model(d, vocab_size=len(tok), hidden_size=64, layers=2, heads=4, kv_heads=2)
+    model = tiny.build_tiny_model(Transformer, d, vocab_size=len(tok), hidden_size=64, layers=2, heads=4, kv_heads=2)
     with torch.no_grad():  # N(0, 0.02) weights give near-uniform logits; sharpen them
         for name, p in model.named_parameters():
             if "norm" not in name:

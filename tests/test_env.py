@@ -1,4 +1,4 @@
-"""env.py and sandbox.py: the SQL sandbox (adversarial suite on copies of Spider databases), the worker pool,
+"""env.py and sqltask/sandbox.py: the SQL sandbox (adversarial suite on copies of Spider databases), the worker pool,
 turn parsing for both protocols, observation formatting, step_batch.
 
 Run: .venv/bin/pytest tests/test_env.py -q
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import env
-import sandbox
+from sqltask import sandbox
 from config import EnvConfig
 
 T = 1.0  # tool timeout used in these tests

@@ -22,16 +22,17 @@ import torch.distributed as dist
 from conftest import ROOT, torchrun_env
 
 import config as C
-import dataset
+from sqltask import dataset
 import eval as ev
-import runguard
-import spider_score
+from trainer import runguard
+from sqltask import spider_score
 import rollout
-import tiny
+from model import Transformer
+from sqltask import predictions
+from toy import tiny
 from rollout import Trajectory
 
-sys.path.insert(0, str(ROOT / "data"))
-from prepare_toy import prepare_toy  # noqa: E402
+from toy.prepare_toy import prepare_toy  # noqa: E402
 
 LIMIT = 6
 YAML = """data:
@@ -50,7 +51,7 @@ sampling:
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("gen")
     prepare_toy(d / "toy", seed=0)
-    tiny.build_tiny(str(d / "model"), vocab_size=512, hidden_size=32, layers=2, heads=2, kv_heads=1)
+    tiny.build_tiny(Transformer, str(d / "model"), vocab_size=512, hidden_size=32, layers=2, heads=2, kv_heads=1)
     (d / "cfg.yaml").write_text(YAML)
     data = str(d / "toy" / "eval.jsonl")
     base = ["generate", "--model", str(d / "model"), "--data", data, "--db-root", str(d / "toy"),
@@ -94,7 +95,7 @@ def test_pass_at_k_matches_enumeration():
             for k in range(1, n + 1):
                 subsets = list(itertools.combinations(range(n), k))
                 ref = sum(any(correct[i] for i in s) for s in subsets) / len(subsets)
-                assert ev.pass_at_k(n, c, k) == pytest.approx(ref)
+                assert predictions.pass_at_k(n, c, k) == pytest.approx(ref)
 
 
 def test_aggregate_hand_made():
@@ -109,7 +110,7 @@ def test_aggregate_hand_made():
         # nothing ran: sample 0 stands
         [{"correct": False, "key": None}, {"correct": False, "key": None}, {"correct": False, "key": None}],
     ]
-    agg = ev.aggregate(groups)
+    agg = predictions.aggregate(groups)
     assert agg["chosen"] == [0, 1, 1, 0]
     assert agg["majority"] == pytest.approx(2 / 4)
     assert set(agg["pass@k"]) == {1, 2, 3}
@@ -121,9 +122,9 @@ def test_aggregate_hand_made():
 
 
 def test_result_key_set_vs_bag():
-    assert ev.result_key([(1,), (1,)], "set") == ev.result_key([(1.0,)], "set")  # 1 == 1.0, set
-    assert ev.result_key([(1,), (1,)], "bag") != ev.result_key([(1,)], "bag")
-    assert ev.result_key([(1, "a"), (2, "b")], "bag") == ev.result_key([[2, "b"], [1, "a"]], "bag")
+    assert predictions.result_key([(1,), (1,)], "set") == predictions.result_key([(1.0,)], "set")  # 1 == 1.0, set
+    assert predictions.result_key([(1,), (1,)], "bag") != predictions.result_key([(1,)], "bag")
+    assert predictions.result_key([(1, "a"), (2, "b")], "bag") == predictions.result_key([[2, "b"], [1, "a"]], "bag")
 
 
 def test_one_line_keeps_meaning(tmp_path):
@@ -132,7 +133,7 @@ def test_one_line_keeps_meaning(tmp_path):
     c.execute("CREATE TABLE t (a INT, b TEXT)")
     c.executemany("INSERT INTO t VALUES (?,?)", [(1, "x"), (2, "y"), (3, "z")])
     sql = "SELECT a -- the id\nFROM t\t WHERE b != 'x' -- not x */ tricky\n\n  ORDER BY a /* multi\nline */"
-    flat = ev.one_line(sql)
+    flat = predictions.one_line(sql)
     assert "\n" not in flat and "\t" not in flat and "\r" not in flat
     assert c.execute(flat).fetchall() == c.execute(sql).fetchall() == [(2,), (3,)]
 
@@ -144,7 +145,7 @@ def test_placeholder_scores_wrong_even_against_an_empty_gold(setup):
     gold = [("SELECT * FROM customers WHERE 0", ex["db_id"])]  # no rows: `SELECT 1 WHERE 0` would match
     for mode in ("set", "bag", "spider"):
         assert spider_score.score(["SELECT 1 WHERE 0"], gold, root, mode)[0]["exec_match"]
-        assert not spider_score.score([ev.PLACEHOLDER], gold, root, mode)[0]["exec_match"]
+        assert not spider_score.score([predictions.PLACEHOLDER], gold, root, mode)[0]["exec_match"]
 
 
 # -----------------------------------------------------------------------------
@@ -172,14 +173,14 @@ def test_files_order_and_placeholders(setup, greedy_run):
         assert 1 <= len(t["turns"]) == t["num_turns"] <= 2
         assert all(set(u) == {"text", "observation"} for u in t["turns"])
         if not t["format_ok"]:
-            assert p == ev.PLACEHOLDER and t["reward"] == -1.0
+            assert p == predictions.PLACEHOLDER and t["reward"] == -1.0
     assert s["decoding"] == "greedy" and s["n_examples"] == LIMIT and s["samples_per_example"] == 1
     assert s["format_error_rate"] == pytest.approx(sum(not t["format_ok"] for t in traces) / LIMIT)
     assert s["mean_turns"] == pytest.approx(sum(t["num_turns"] for t in traces) / LIMIT)
     assert set(s["ex_by_source"]) == {"toy"} and s["ex_by_source"]["toy"]["n"] == LIMIT
     gold = spider_score.read_gold(os.path.join(greedy_run, "gold.sql"))
     assert [g[1] for g in gold] == [e["db_id"] for e in exs]
-    ex, _ = rescore(greedy_run, ev.spider_db_root(exs))
+    ex, _ = rescore(greedy_run, predictions.spider_db_root(exs))
     assert ex == pytest.approx(s["ex"])
 
 
@@ -241,12 +242,12 @@ def test_stub_greedy_ex_matches_score(setup, monkeypatch):
     out = str(d / "stub1")
     run_main(base + ["--out", out])
     preds, traces, s = read_out(out)
-    assert preds[3] == ev.PLACEHOLDER and preds[2] == "SELECT nope FROM nowhere"
-    assert preds[0] == ev.one_line(answers_for(exs[0])[RIGHT]) and "\n" not in preds[0]
+    assert preds[3] == predictions.PLACEHOLDER and preds[2] == "SELECT nope FROM nowhere"
+    assert preds[0] == predictions.one_line(answers_for(exs[0])[RIGHT]) and "\n" not in preds[0]
     assert [t["exec_match"] for t in traces] == [k == RIGHT for k in kinds]
     assert s["ex"] == pytest.approx(3 / 6) and s["format_error_rate"] == pytest.approx(1 / 6)
     for mode in ("set", "bag", "spider"):  # every mode agrees here: whole-table answers
-        ex, per = rescore(out, ev.spider_db_root(exs), mode)
+        ex, per = rescore(out, predictions.spider_db_root(exs), mode)
         assert ex == pytest.approx(s["ex"]) and per == [k == RIGHT for k in kinds]
 
 
@@ -268,13 +269,13 @@ def test_stub_majority_and_pass_at_k(setup, monkeypatch):
         [(i, j) for i in range(LIMIT) for j in range(3)]
     chosen = [[t["sample"] for t in traces if t["index"] == i and t["chosen"]] for i in range(LIMIT)]
     assert chosen == [[0], [1], [1], [0], [0], [0]]
-    assert preds[3] == ev.PLACEHOLDER
+    assert preds[3] == predictions.PLACEHOLDER
     assert s["majority@3"] == pytest.approx(3 / 6) == s["ex"]
     n_right = [p.count(RIGHT) for p in plan]
     assert s["pass@k"]["1"] == pytest.approx(sum(n_right) / 18) == s["ex_per_sample"]
     assert s["pass@k"]["3"] == pytest.approx(4 / 6)
-    assert s["pass@k"]["2"] == pytest.approx(sum(ev.pass_at_k(3, c, 2) for c in n_right) / 6)
-    ex, _ = rescore(out, ev.spider_db_root(exs))
+    assert s["pass@k"]["2"] == pytest.approx(sum(predictions.pass_at_k(3, c, 2) for c in n_right) / 6)
+    ex, _ = rescore(out, predictions.spider_db_root(exs))
     assert ex == pytest.approx(s["ex"])
 
 

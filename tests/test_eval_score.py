@@ -1,6 +1,7 @@
 """eval.py score: the command line on a tiny set of our own, the official input handling, and
 per-example agreement with the official test-suite evaluator's verdicts on published Spider
-predictions (../shared/data/spider_preds).
+predictions (spider_preds/ beside the Spider folder: dev predictions with the official evaluator's
+verdicts; skipped when absent).
 
 Run: .venv/bin/pytest tests/test_eval_score.py -q
 """
@@ -12,7 +13,7 @@ import sys
 import pytest
 from conftest import HAVE_SPIDER, ROOT, SPIDER, SPIDER_MISSING
 
-import spider_score
+from sqltask import spider_score
 
 PREDS = SPIDER.parent / "spider_preds"
 HAVE_PREDS = HAVE_SPIDER and (PREDS / "c3sql_gpt35.verdicts.jsonl").exists()

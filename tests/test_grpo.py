@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from grpo import (AGGS, advantages, global_norm, keep_mask_dynamic, masked_mean,
-                  policy_loss)
+from conftest import loss_of
+import grpo
+from grpo import AGGS, advantages, global_norm, keep_mask_dynamic, masked_mean
 
 L = math.log
 CLIP = dict(clip_low=0.2, clip_high=0.2)
@@ -120,12 +121,73 @@ def test_dynamic_sampling_on_exec_match_drops_all_wrong_groups_that_differ_only_
     """Dense shaping makes an all-wrong group's rewards differ (0.025 vs 0.075): kept when the
     filter compares rewards, dropped when it compares exec_match; a group with a right answer is
     kept by both. Group 1: all wrong, shaping only; group 2: one right."""
+    from types import SimpleNamespace
+
     import grpo
-    episodes = [{"reward": 0.025, "exec_match": False}, {"reward": 0.075, "exec_match": False},
-                {"reward": 1.05, "exec_match": True}, {"reward": 0.05, "exec_match": False}]
-    by_reward = keep_mask_dynamic(grpo.dynamic_sampling_scores(episodes, "reward"), 2)
-    by_match = keep_mask_dynamic(grpo.dynamic_sampling_scores(episodes, "exec_match"), 2)
-    assert by_reward.tolist() == [True, True] and by_match.tolist() == [False, True]
+    from reward import Reward
+    episodes = [SimpleNamespace(reward=Reward(v, m, True)) for v, m in
+                [(0.025, False), (0.075, False), (1.05, True), (0.05, False)]]
+    assert grpo.keep_mask(episodes, 2, "reward") == [True] * 4
+    assert grpo.keep_mask(episodes, 2, "exec_match") == [False, False, True, True]
+
+
+# -----------------------------------------------------------------------------
+# the credit: per-token advantages (grpo.token_advantages), the lookup bonus
+
+
+def credit_episode(group, outcome, observations, question="customers in Paris", gold="SELECT * FROM c WHERE city = 'Paris4k'"):
+    """A fake episode of len(observations) tool turns then an answer turn: prompt [0, 0], each turn
+    2 sampled tokens then (tool turns) 1 observation token; steps as env.step_record writes them."""
+    from types import SimpleNamespace
+
+    from reward import Reward
+    from rollout import Trajectory
+    ids, mask, spans, steps = [0, 0], [0, 0], [], []
+    for obs in observations:
+        spans.append((len(ids), len(ids) + 2))
+        ids, mask = ids + [1, 1, 9], mask + [1, 1, 0]
+        steps.append({"kind": "sql", "arg": "SELECT", "ok": True, "rows": None, "n_rows": 1, "observation": obs})
+    spans.append((len(ids), len(ids) + 2))
+    ids, mask = ids + [1, 1], mask + [1, 1]
+    steps.append({"kind": "solution", "arg": gold, "ok": False, "rows": None, "n_rows": None, "observation": ""})
+    traj = Trajectory.of([0, 0], ids, mask, [0.0] * len(ids), turn_spans=spans, num_turns=len(spans), steps=steps)
+    return SimpleNamespace(trajectory=traj, reward=Reward(outcome, outcome == 1.0, True),
+                           example={"gold_sql": gold, "question": question}, group=group)
+
+
+def test_token_turns_follow_the_turn_spans():
+    e = credit_episode(0, 1.0, ["x", "y"])
+    assert e.trajectory.token_turns() == [0, 0, 1, 1, 2, 2]
+
+
+def test_default_credit_is_the_episode_advantage_on_every_token():
+    from config import GRPOConfig
+    g = GRPOConfig(group_size=2)
+    batch = [credit_episode(0, 1.0, ["Paris4k"]), credit_episode(0, 0.0, ["none"])]
+    adv = grpo.token_advantages(batch, g)
+    want = advantages(torch.tensor([1.0, 0.0]), 2, "group")
+    assert [a.tolist() for a in adv] == [[want[0].item()] * 4, [want[1].item()] * 4]
+
+
+def test_lookup_bonus_hand():
+    """Returns 1 + 0.5 and 0 (mean 0.75, unbiased std 0.75 * sqrt 2): the first episode's lookup turn
+    (its observation shows the code) gets (1.5 - 0.75) / std, its answer turn (1 - 0.75) / std; the
+    second episode's turns (no code shown) (0 - 0.75) / std each."""
+    from config import GRPOConfig
+    batch = [credit_episode(0, 1.0, ["Paris4k | Paris_N"]), credit_episode(0, 0.0, ["Paris_N"])]
+    std = 0.75 * math.sqrt(2)
+    adv = grpo.token_advantages(batch, GRPOConfig(group_size=2, lookup_bonus=0.5, adv_eps=0.0))
+    assert approx(adv[0], [0.75 / std] * 2 + [0.25 / std] * 2) and approx(adv[1], [-0.75 / std] * 4)
+    adv = grpo.token_advantages(batch, GRPOConfig(group_size=2, lookup_bonus=0.5, advantage="none"))
+    assert approx(adv[0], [0.75, 0.75, 0.25, 0.25]) and approx(adv[1], [-0.75] * 4)
+
+
+def test_lookup_bonus_only_once_and_only_for_values_the_question_does_not_spell_out():
+    e = credit_episode(0, 1.0, ["(0 rows)", "Paris4k", "Paris4k again"])
+    assert grpo.turn_rewards(e, 0.2) == [0.0, 0.2, 0.0, 0.0]  # the first lookup that shows it
+    direct = credit_episode(0, 1.0, ["Paris"], gold="SELECT * FROM c WHERE city = 'Paris'")
+    assert grpo.gold_literals(direct.example) == [] and grpo.turn_rewards(direct, 0.2) == [0.0, 0.0]
+    assert grpo.gold_literals({"gold_sql": "SELECT 'it''s', 'a', 'it''s'", "question": "q"}) == ["it's", "a"]
 
 
 # -----------------------------------------------------------------------------
@@ -139,7 +201,7 @@ def one_row(ratios, adv, **kw):
     a = torch.tensor([adv], dtype=torch.float32)
     mask = torch.ones_like(old)
     kw = {**CLIP, **kw}
-    loss, met = policy_loss(logp, old, a, mask, norm=len(ratios), **kw)
+    loss, met = loss_of(logp, old, a, mask, norm=len(ratios), **kw)
     loss.backward()
     return loss, met, logp.grad[0]
 
@@ -196,7 +258,7 @@ def test_k3_kl_value_and_gradient_sign():
     logp = torch.tensor([[0.0, L(0.5)]], requires_grad=True)
     ref = torch.tensor([[L(2.0), L(0.5) - L(2.0)]])  # second token: d = -ln2
     z = torch.zeros(1)
-    loss, met = policy_loss(logp, logp.detach(), z, torch.ones(1, 2), **CLIP, ref_logp=ref,
+    loss, met = loss_of(logp, logp.detach(), z, torch.ones(1, 2), **CLIP, ref_logp=ref,
                             kl_beta=beta, norm=2.0)
     k_up = 2 - L(2) - 1           # d = +ln2
     k_down = 0.5 + L(2) - 1       # d = -ln2: e^-ln2 - (-ln2) - 1 = 0.19315
@@ -206,7 +268,7 @@ def test_k3_kl_value_and_gradient_sign():
     assert approx(logp.grad[0], [beta * (1 - 2) / 2, beta * (1 - 0.5) / 2])
     assert logp.grad[0, 0] < 0 < logp.grad[0, 1]  # pulled up / pushed down towards ref
     with pytest.raises(AssertionError):
-        policy_loss(logp, logp.detach(), z, torch.ones(1, 2), **CLIP, kl_beta=beta, norm=2.0)
+        loss_of(logp, logp.detach(), z, torch.ones(1, 2), **CLIP, kl_beta=beta, norm=2.0)
 
 
 # -----------------------------------------------------------------------------
@@ -231,7 +293,7 @@ def agg_batch():
 def test_aggregation_hand(agg, norm, want):
     logp, A, mask = agg_batch()
     assert global_norm([mask], agg) == norm  # no process group: local count
-    loss, _ = policy_loss(logp, logp.detach(), A, mask, **CLIP, agg=agg, norm=norm, max_len=4)
+    loss, _ = loss_of(logp, logp.detach(), A, mask, **CLIP, agg=agg, norm=norm, max_len=4)
     assert approx(loss, want)
 
 
@@ -248,7 +310,7 @@ def test_masked_tokens_get_zero_gradient():
     adv[mask == 0] = float("nan")
     for agg in AGGS:
         logp.grad = None
-        loss, met = policy_loss(logp, old, adv, mask, **CLIP,
+        loss, met = loss_of(logp, old, adv, mask, **CLIP,
                                 dual_clip_c=3.0, ref_logp=ref, kl_beta=0.5, agg=agg,
                                 norm=global_norm([mask], agg), max_len=5, entropy=torch.ones(3, 5))
         loss.backward()
@@ -281,19 +343,19 @@ def test_micro_batch_split_invariance(agg):
     mask = torch.arange(T)[None] < lens[:, None]
     kw = dict(**CLIP, dual_clip_c=3.0, ref_logp=None, kl_beta=0.05, agg=agg, max_len=T)
 
-    def loss_of(rows, norm):
-        return policy_loss(logp[rows], old[rows], adv[rows], mask[rows],
+    def part_loss(rows, norm):
+        return loss_of(logp[rows], old[rows], adv[rows], mask[rows],
                            **{**kw, "ref_logp": ref[rows]}, norm=norm)[0]
 
-    full = loss_of(slice(0, B), global_norm([mask], agg))
+    full = part_loss(slice(0, B), global_norm([mask], agg))
     (g_full,) = torch.autograd.grad(full, logp)
     splits = [slice(0, 2), slice(2, 3), slice(3, 7)]
     norm = global_norm([mask[s] for s in splits], agg)
-    parts = sum(loss_of(s, norm) for s in splits)
+    parts = sum(part_loss(s, norm) for s in splits)
     (g_parts,) = torch.autograd.grad(parts, logp)
     assert approx(parts, full, 1e-6) and approx(g_parts, g_full, 1e-6)
     # dividing each micro-batch by its *local* count would differ (the bug this guards)
-    local = sum(loss_of(s, global_norm([mask[s]], agg)) for s in splits) / len(splits)
+    local = sum(part_loss(s, global_norm([mask[s]], agg)) for s in splits) / len(splits)
     assert not approx(local, full, 1e-4)
 
 
@@ -315,7 +377,7 @@ def test_sgd_step_moves_logp_with_advantage(agg, sign):
         return torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
 
     before = logp_of().detach()
-    loss, _ = policy_loss(logp_of(), before, torch.full((2,), sign), mask, **CLIP, agg=agg,
+    loss, _ = loss_of(logp_of(), before, torch.full((2,), sign), mask, **CLIP, agg=agg,
                           norm=global_norm([mask], agg), max_len=4)
     opt = torch.optim.SGD([logits], lr=0.5)
     loss.backward()

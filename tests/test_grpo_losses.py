@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
+from conftest import loss_of
 from grpo import AGGS, DEFAULT_CLIP, LOSSES, clip_range, global_norm, loss_kwargs, policy_loss
 from config import GRPOConfig
-from rollout_correction import KINDS, RolloutIS
+from trainer.rollout_correction import KINDS, RolloutIS
 
 L = math.log
 CLIP = dict(clip_low=0.2, clip_high=0.2)
@@ -58,7 +59,7 @@ def test_gspo_hand_values_and_gradients():
     # seq-mean-token-mean over 4 sequences (the paper's per-sequence mean)
     logp, old, adv, mask = rows_of([[0.1, -0.1], [0.3, 0.3, 0.3], [L(0.5)], [0.2, 0.4]], [1, 1, -1, -1])
     s = math.exp(0.3)
-    loss, met = policy_loss(logp, old, adv, mask, loss="gspo", **CLIP, agg="seq-mean-token-mean", norm=4)
+    loss, met = loss_of(logp, old, adv, mask, loss="gspo", **CLIP, agg="seq-mean-token-mean", norm=4)
     assert approx(loss, (-1 - 1.2 + 0.8 + s) / 4)
     loss.backward()
     want = torch.tensor([[-0.5, -0.5, 0], [0, 0, 0], [0, 0, 0], [s / 2, s / 2, 0]]) / 4
@@ -72,7 +73,7 @@ def test_gspo_hand_values_and_gradients():
     assert approx(ref, loss) and approx(ref_logp.grad, logp.grad)
     # token-mean instead: each token carries its sequence's loss, so sequences weigh by length;
     # d/dlogp_t = |y_i| · (d ℓ_i / d logp_t) / 8 = -A s / 8 for the unclipped rows
-    tm, _ = policy_loss(logp, old, adv, mask, loss="gspo", **CLIP, agg="token-mean", norm=8)
+    tm, _ = loss_of(logp, old, adv, mask, loss="gspo", **CLIP, agg="token-mean", norm=8)
     assert approx(tm, (2 * -1 + 3 * -1.2 + 0.8 + 2 * s) / 8)
     (g_tm,) = torch.autograd.grad(tm, logp)
     assert approx(g_tm, torch.tensor([[-1, -1, 0], [0, 0, 0], [0, 0, 0], [s, s, 0]]) / 8)
@@ -86,7 +87,7 @@ def test_gspo_matches_paper_on_random_batches(loss_name):
     adv = torch.randn(6, generator=g)
     mask = (torch.arange(7)[None] < torch.tensor([7, 1, 4, 6, 2, 5])[:, None]).float()
     lo, hi = DEFAULT_CLIP[loss_name]
-    loss, met = policy_loss(logp, old, adv, mask, loss=loss_name, clip_low=-1, clip_high=-1,
+    loss, met = loss_of(logp, old, adv, mask, loss=loss_name, clip_low=-1, clip_high=-1,
                             agg="seq-mean-token-mean", norm=6)
     (grad,) = torch.autograd.grad(loss, logp)
     ref_logp = logp.detach().clone().requires_grad_()
@@ -102,9 +103,9 @@ def test_gspo_token_per_token_advantages():
     # gspo: ℓ_t = -A_t s(θ): same value; every token gets Σ_t (-A_t s / 2) / |y| = -1
     logp, old, _, mask = rows_of([[0.1, -0.1]], [0])
     A = torch.tensor([[1.0, 3.0]])
-    tok, _ = policy_loss(logp, old, A, mask, loss="gspo-token", **CLIP, agg="seq-mean-token-mean", norm=1)
+    tok, _ = loss_of(logp, old, A, mask, loss="gspo-token", **CLIP, agg="seq-mean-token-mean", norm=1)
     (g_tok,) = torch.autograd.grad(tok, logp)
-    seq, _ = policy_loss(logp, old, A, mask, loss="gspo", **CLIP, agg="seq-mean-token-mean", norm=1)
+    seq, _ = loss_of(logp, old, A, mask, loss="gspo", **CLIP, agg="seq-mean-token-mean", norm=1)
     (g_seq,) = torch.autograd.grad(seq, logp)
     assert approx(tok, -2.0) and approx(seq, -2.0)
     assert approx(g_tok, [[-0.5, -1.5]]) and approx(g_seq, [[-1.0, -1.0]])
@@ -120,21 +121,21 @@ def test_cispo_hand_values_and_gradients():
     logp, old, _, mask = rows_of([[L(1.5), L(0.5), 0.0]], [0], old=L(0.4))
     A = torch.tensor([[1.0, -1.0, 2.0]])
     lp = [L(0.6), L(0.2), L(0.4)]
-    loss, met = policy_loss(logp, old, A, mask, loss="cispo", clip_low=0.2, clip_high=0.28, norm=3)
+    loss, met = loss_of(logp, old, A, mask, loss="cispo", clip_low=0.2, clip_high=0.28, norm=3)
     assert approx(loss, (-1.28 * lp[0] + 0.8 * lp[1] - 2 * lp[2]) / 3)
     loss.backward()
     assert approx(logp.grad, [[-1.28 / 3, 0.8 / 3, -2 / 3]])  # no token's gradient is zeroed
     assert approx(met["clip_frac"], 2 / 3)
     # PPO-clip zeroes the first two tokens' gradients on the same batch
     logp.grad = None
-    policy_loss(logp, old, A, mask, clip_low=0.2, clip_high=0.28, norm=3)[0].backward()
+    loss_of(logp, old, A, mask, clip_low=0.2, clip_high=0.28, norm=3)[0].backward()
     assert approx(logp.grad, [[0.0, 0.0, -2 / 3]])
     # default ε: no lower bound (1 - 1.0 = 0), ε_high 0.28 -> weights [1.28, 0.5, 1.0]
     logp.grad = None
-    policy_loss(logp, old, A, mask, loss="cispo", clip_low=-1, clip_high=-1, norm=3)[0].backward()
+    loss_of(logp, old, A, mask, loss="cispo", clip_low=-1, clip_high=-1, norm=3)[0].backward()
     assert approx(logp.grad, [[-1.28 / 3, 0.5 / 3, -2 / 3]])
     with pytest.raises(AssertionError, match="dual-clip"):
-        policy_loss(logp, old, A, mask, loss="cispo", clip_low=-1, clip_high=-1, dual_clip_c=3.0, norm=3)
+        loss_of(logp, old, A, mask, loss="cispo", clip_low=-1, clip_high=-1, dual_clip_c=3.0, norm=3)
 
 
 # -----------------------------------------------------------------------------
@@ -150,7 +151,7 @@ def test_clip_defaults_per_loss_and_loss_kwargs():
         clip_range("ppo", 0.2, 0.2)
     # GSPO's ε is per sequence ratio: s = e^0.001 > 1 + 4e-4 is already clipped (A > 0)
     logp, old, adv, mask = rows_of([[0.001, 0.001]], [1])
-    loss, _ = policy_loss(logp, old, adv, mask, loss="gspo", clip_low=-1, clip_high=-1, norm=2)
+    loss, _ = loss_of(logp, old, adv, mask, loss="gspo", clip_low=-1, clip_high=-1, norm=2)
     assert approx(loss, -(1 + 4e-4))
     g = GRPOConfig(loss="cispo", rollout_is="seq-tis", rollout_is_cap=3.0, loss_agg="drgrpo")
     kw = loss_kwargs(g, max_len=99)
@@ -172,7 +173,7 @@ def test_extreme_tokens_stay_finite(loss_name):
     ref = torch.tensor([[79.5, -1.0, -2.0]])  # ref - logp = 80 for the first token
     for adv in (torch.tensor([1.0]), torch.tensor([-1.0])):
         logp.grad = None
-        loss, met = policy_loss(logp, old, adv, torch.ones(1, 3), loss=loss_name, clip_low=-1,
+        loss, met = loss_of(logp, old, adv, torch.ones(1, 3), loss=loss_name, clip_low=-1,
                                 clip_high=-1, ref_logp=ref, kl_beta=0.1, agg="seq-mean-token-mean",
                                 norm=1, rollout_logp=old - 50, rollout_is=RolloutIS("seq-tis"))
         loss.backward()
@@ -186,7 +187,7 @@ def test_extreme_tokens_stay_finite(loss_name):
 def test_k3_cap_value():
     # ref - logp = 30: exp(30) - 31 would dominate; capped at 10, and its gradient is then 0
     logp = torch.tensor([[0.0]], requires_grad=True)
-    loss, met = policy_loss(logp, logp.detach(), torch.zeros(1), torch.ones(1, 1), **CLIP,
+    loss, met = loss_of(logp, logp.detach(), torch.zeros(1), torch.ones(1, 1), **CLIP,
                             ref_logp=torch.tensor([[30.0]]), kl_beta=1.0, norm=1)
     loss.backward()
     assert approx(loss, 10.0) and approx(met["kl"], 10.0) and logp.grad.item() == 0.0
@@ -211,15 +212,15 @@ def test_micro_batch_split_invariance_all_losses(loss_name, agg):
         kw = dict(loss=loss_name, clip_low=0.2, clip_high=0.28, kl_beta=0.05, agg=agg, max_len=T,
                   rollout_is=RolloutIS(kind, cap=1.5, low=0.7, high=1.4, delta=0.3))
 
-        def loss_of(rows, norm):
-            return policy_loss(logp[rows], old[rows], adv[rows], mask[rows], ref_logp=ref[rows],
+        def part_loss(rows, norm):
+            return loss_of(logp[rows], old[rows], adv[rows], mask[rows], ref_logp=ref[rows],
                                rollout_logp=rollout[rows], norm=norm, **kw)[0]
 
-        full = loss_of(slice(0, B), global_norm([mask], agg))
+        full = part_loss(slice(0, B), global_norm([mask], agg))
         (g_full,) = torch.autograd.grad(full, logp)
         splits = [slice(0, 2), slice(2, 3), slice(3, 7)]
         norm = global_norm([mask[s] for s in splits], agg)
-        parts = sum(loss_of(s, norm) for s in splits)
+        parts = sum(part_loss(s, norm) for s in splits)
         (g_parts,) = torch.autograd.grad(parts, logp)
         assert approx(parts, full) and approx(g_parts, g_full), (loss_name, agg, kind)
         assert (g_full[~mask] == 0).all() and g_full[mask].abs().sum() > 0, (loss_name, agg, kind)
@@ -249,7 +250,7 @@ def test_masked_positions_holding_inf_or_nan(loss_name, bad):
             for fill in (0.0, bad):
                 t = {k: torch.where(mask, v, torch.full_like(v, fill)) for k, v in base.items()}
                 logp = t["logp"].requires_grad_()
-                loss, met = policy_loss(logp, t["old"], adv, mask, ref_logp=t["ref"], rollout_logp=t["rollout"],
+                loss, met = loss_of(logp, t["old"], adv, mask, ref_logp=t["ref"], rollout_logp=t["rollout"],
                                         entropy=t["ent"], norm=global_norm([mask], agg), **kw)
                 (grad,) = torch.autograd.grad(loss, logp)
                 out.append((loss, met, grad))

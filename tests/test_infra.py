@@ -1,5 +1,5 @@
-"""Training infrastructure details: the end-of-turn token SFT appends, the bounded gold cache,
-the SQL pool size per rank, prompt-length filtering, the eval temperature, the episode dict.
+"""Training infrastructure details: the bounded gold cache,
+the SQL pool size per rank, prompt-length filtering, the eval temperature, the transcript.
 
     pytest -q tests/test_infra.py
 """
@@ -10,41 +10,22 @@ import pytest
 import torch
 
 import config as C
-import dataset
-import episodes
-import gold
-import reward
-import sandbox
-import tiny
+from sqltask import dataset
+import eval as eval_
+import rollout
+from sqltask import exec_match
+from sqltask import sandbox
+from model import Transformer
+from toy import tiny
 from conftest import ROOT
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
-    tiny.build_tiny(str(d), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
+    tiny.build_tiny(Transformer, str(d), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(d))
-
-
-# -----------------------------------------------------------------------------
-# SFT's end of turn
-
-
-def test_end_of_turn_is_the_chat_templates_token(tok):
-    assert tok.convert_ids_to_tokens(gold.end_of_turn_id(tok)) == "<|im_end|>"  # Qwen's ChatML
-    # a Llama-3-style template closes turns with <|eot_id|>, not <|im_end|> nor its eos
-    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|end_of_text|>"]})
-    old_template, old_eos = tok.chat_template, tok.eos_token
-    try:
-        tok.chat_template = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-                             "{{ m['content'] }}<|eot_id|>{% endfor %}")
-        tok.eos_token = "<|end_of_text|>"
-        assert tok.convert_ids_to_tokens(gold.end_of_turn_id(tok)) == "<|eot_id|>"
-        tok.chat_template = None  # no template: the eos token
-        assert gold.end_of_turn_id(tok) == tok.convert_tokens_to_ids("<|end_of_text|>")
-    finally:
-        tok.chat_template, tok.eos_token = old_template, old_eos
 
 
 # -----------------------------------------------------------------------------
@@ -56,7 +37,7 @@ def result(n_rows):
 
 
 def test_gold_cache_is_an_lru_bounded_by_entries_and_rows():
-    c = reward.GoldCache(max_entries=3, max_rows=10)
+    c = exec_match.GoldCache(max_entries=3, max_rows=10)
     for k in "abc":
         c[k] = result(2)
     assert c.get("a") is not None  # "a" is now the most recent
@@ -76,11 +57,11 @@ def test_match_batch_survives_eviction_within_one_call(tmp_path, monkeypatch):
     con.executemany("INSERT INTO t VALUES (?)", [(i,) for i in range(5)])
     con.commit()
     con.close()
-    monkeypatch.setattr(reward, "_GOLD", reward.GoldCache(max_entries=1))
+    monkeypatch.setattr(exec_match, "_GOLD", exec_match.GoldCache(max_entries=1))
     golds = [f"SELECT x FROM t WHERE x < {k}" for k in range(1, 4)]
-    reward.match_batch([(str(db), g, g) for g in golds], workers=1)  # fills (and evicts) the cache
-    out = reward.match_batch([(str(db), g, g) for g in golds + golds[:1]], workers=1)
-    assert [m for m, _ in out] == [True] * 4 and len(reward._GOLD) == 1
+    exec_match.match_batch([(str(db), g, g) for g in golds], workers=1)  # fills (and evicts) the cache
+    out = exec_match.match_batch([(str(db), g, g) for g in golds + golds[:1]], workers=1)
+    assert [m for m, _ in out] == [True] * 4 and len(exec_match._GOLD) == 1
 
 
 def test_sql_pool_divides_the_cores_by_the_local_ranks(monkeypatch):
@@ -107,12 +88,12 @@ def test_fit_prompts_drops_long_ones_and_those_leaving_no_room():
     assert [e["id"] for e in kept] == ["0", "1", "2", "3"] and dropped == 1
 
 
-def test_episode_uses_the_one_db_path_resolution(tmp_path):
+def test_transcript_uses_the_one_db_path_resolution(tmp_path):
     ex = {"db_path": "database/a/a.sqlite", "gold_sql": "SELECT 1"}
     t = types.SimpleNamespace(text="r", final_sql="SELECT 2", finished=True, steps=[])
-    e = episodes.episode(t, ex, tmp_path)
-    assert e["db_path"] == dataset.abs_db_path(ex, tmp_path) == str((tmp_path / "database/a/a.sqlite").resolve())
-    assert e["final_sql"] == "SELECT 2" and episodes.episode(t, ex, tmp_path, "SELECT 3")["final_sql"] == "SELECT 3"
+    e = rollout.transcript(t, ex, tmp_path)
+    assert e.db_path == dataset.abs_db_path(ex, tmp_path) == str((tmp_path / "database/a/a.sqlite").resolve())
+    assert e.final_sql == "SELECT 2" and rollout.transcript(t, ex, tmp_path, "SELECT 3").final_sql == "SELECT 3"
     assert dataset.abs_db_path({**ex, "db_file": "/x/y.sqlite"}, tmp_path) == "/x/y.sqlite"
 
 
@@ -124,14 +105,14 @@ def test_episode_uses_the_one_db_path_resolution(tmp_path):
 def test_train_eval_decodes_at_sampling_eval_temperature(T, monkeypatch):
     seen = {}
 
-    def fake_run_episodes(sampler, tok, exs, cfg, *, n, seed, greedy, sampling=None, mem=None):
+    def fake_sample_episodes(sampler, tok, exs, cfg, *, n, seed, greedy=False, sampling=None, **kw):
         seen.update(greedy=greedy, temperature=(sampling or cfg.sampling).temperature)
-        return [], [], 0.0, 0.0
+        return []
 
-    monkeypatch.setattr(episodes, "run_episodes", fake_run_episodes)
+    monkeypatch.setattr(eval_, "sample_episodes", fake_sample_episodes)
     cfg = C.load_config([f"--sampling.eval_temperature={T}", "--sampling.temperature=0.6"])
     log = types.SimpleNamespace(metrics=lambda *a: None, print=lambda *a: None)
-    episodes.evaluate(None, None, [], cfg, 0, 1, torch.device("cpu"), log, 0)
+    eval_.evaluate(None, None, [], cfg, 0, 1, torch.device("cpu"), log, 0)
     assert seen == ({"greedy": True, "temperature": 0.6} if T == 0 else {"greedy": False, "temperature": 0.8})
     assert cfg.sampling.temperature == 0.6  # the training temperature is untouched
 

@@ -1,4 +1,4 @@
-"""lora.py: LoRA on the fused projections, against PEFT on the transformers model as the reference.
+"""trainer/lora.py: LoRA on the fused projections, against PEFT on the transformers model as the reference.
 
 Tiny random models of each family (qwen2 with q/k/v biases, qwen3 with q/k norms, llama) are
 built by transformers; our LoRA-applied Transformer with random adapters is saved in PEFT's
@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 import config as C
-import distributed
-import lora
+from trainer import distributed
+from trainer import lora
 from conftest import ROOT, torchrun_env
 from model import ModelArgs, Transformer
 
@@ -169,7 +169,7 @@ def test_sampler_gives_the_same_tokens_merged_or_not(folders):
     """The rollout path (KV cache, ragged prefill, decode): greedy tokens of the adapter forward and
     of the sampler's merged copy (PolicySampler.refresh, what training samples) agree."""
     from config import SamplingConfig
-    from policy_sampler import PolicySampler
+    from trainer.policy_sampler import PolicySampler
     from rollout import generate
     model = lora_model(folders["qwen2"]).eval()
     prompts = [ids(1, n, seed=n)[0].tolist() for n in (5, 9, 3)]
@@ -206,7 +206,7 @@ def test_merged_equals_adapter_forward_and_hf_export(folders, tmp_path):
     """The sampler's merged copy (PolicySampler.refresh) gives the adapter forward's logits and
     leaves the trained model bit for bit; so does a merged HF export, through transformers alone."""
     from config import SamplingConfig
-    from policy_sampler import PolicySampler
+    from trainer.policy_sampler import PolicySampler
     model = lora_model(folders["qwen3"]).eval()
     x = ids()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -359,7 +359,9 @@ def test_memory_estimate_of_the_7b_lora_recipe():
 
 def test_memory_command_prints_lora_next_to_full(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(QWEN_7B))  # only config.json is read
-    lora.main([str(ROOT / "configs" / "skyrl_sql_7b_lora.yaml"), f"--model.path={tmp_path}", "--world=2"])
+    sys.path.insert(0, str(ROOT / "bench"))
+    import lora_memory
+    lora_memory.main([str(ROOT / "configs" / "skyrl_sql_7b_lora.yaml"), f"--model.path={tmp_path}", "--world=2"])
     out = capsys.readouterr().out
     full, lo = map(float, re.search(r"world 2: full fine-tune ([\d.]+) GB/device, LoRA ([\d.]+)", out).groups())
     assert "rank 32, alpha 64" in out and 45 < lo < full - 45  # README: 53.7 vs 102.8 GB

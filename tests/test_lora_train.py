@@ -5,7 +5,7 @@ loss but not old-logprob scoring; a train.py LoRA run that learns, with dropout,
 from ckpt_<step>/adapter. The 2-rank step equality is tests/lora_dist_check.py's `train_step` case
 (run by tests/test_lora.py).
 
-    /work/main/.venv/bin/python -m pytest -q tests/test_lora_train.py
+    .venv/bin/python -m pytest -q tests/test_lora_train.py
 """
 import dataclasses
 import shutil
@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
+from trainer import checkpoint
 import config as C
-import distributed
+from trainer import distributed
 import grpo
-import lora
-import optim
-import packing
+from trainer import lora
+from trainer import optim
+from trainer import packing
 import rollout
-import tiny
+from toy import tiny
 from conftest import grpo_update
 from model import Transformer
-from policy_sampler import PolicySampler
+from trainer.policy_sampler import PolicySampler
 from test_train import assert_resumed_steps_learn_alike, learning_args, run_train
 
 PEFT_MISSING = "peft not installed (pip install peft: a test-only dependency, see requirements-dev.txt)"
@@ -42,7 +42,7 @@ def test_lora_update_trains_only_adapters(tmp_path):
     AdamW holds exactly the adapters, and the policy's logits move away from the base's.
     (A random tiny base's logits barely depend on its hidden state, so a reward rise is not
     asserted here: README's LoRA section has the held-out EX gain on the warm-started model.)"""
-    tiny.build_tiny(str(tmp_path), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
+    tiny.build_tiny(Transformer, str(tmp_path), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
     distributed.setup_dist()
@@ -103,7 +103,7 @@ def dropout_update(tmp_path, dropout: float, monkeypatch):
     mini-batches on a sharded LoRA model with model.lora_dropout = dropout, seeded. Returns
     (the adapters after, [(grad enabled, model.training) at every packing.forward call])."""
     if not (tmp_path / "config.json").exists():
-        tiny.build_tiny(str(tmp_path), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
+        tiny.build_tiny(Transformer, str(tmp_path), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
     distributed.setup_dist()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import malloc_tuning
+from trainer import malloc_tuning
 from conftest import ROOT
 
 
@@ -29,7 +29,7 @@ needs_glibc = pytest.mark.skipif(not glibc(), reason="mallopt is glibc's: elsewh
 # Prints the change in mallinfo2's count of mmapped blocks (hblks).
 MMAPPED = """
 import ctypes, ctypes.util, sys, torch
-import malloc_tuning
+from trainer import malloc_tuning
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]

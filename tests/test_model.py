@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from engine.block_manager import BlockManager
 from model import Transformer
-from paged_attention import PagedBatch, PagedKVCache
+from engine.paged_attention import PagedBatch, PagedKVCache
 
 V = 97
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

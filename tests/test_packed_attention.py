@@ -1,4 +1,4 @@
-"""packed_attention.py: the CPU path (SegmentRows) against SDPA with the dense mask (forward and
+"""trainer/packed_attention.py: the CPU path (SegmentRows) against SDPA with the dense mask (forward and
 gradients, buckets); the CUDA path's block mask built from the row's structure against
 create_block_mask on random packings, its memory and time on a 32k-token row, flex_attention with
 it against SDPA, and the packed forward through it against the CPU path. ~60 s.
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import packed_attention
-import packing
-from packed_attention import segment_rows
+from trainer import packed_attention
+from trainer import packing
+from trainer.packed_attention import segment_rows
 from test_packing import V, make_model, make_trajs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))

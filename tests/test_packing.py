@@ -1,4 +1,4 @@
-"""Shared-prompt packing (packing.py) against the padded per-sequence path it replaces: the same
+"""Shared-prompt packing (trainer/packing.py) against the padded per-sequence path it replaces: the same
 per-token logprobs and entropies, and through policy_update.update the same loss and gradients for every
 loss aggregation, ppo_epochs × mini_batches, kl_beta > 0, activation checkpointing, multi-turn
 trajectories (observation tokens masked), groups that fall back to the plain layout. ~60 s.
@@ -16,9 +16,10 @@ import torch
 
 import config as C
 import grpo
-import packing
-from conftest import grpo_update
+from trainer import packing
+from conftest import grpo_update, loss_of
 from model import ModelArgs, Transformer
+from rollout import Trajectory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import padded  # noqa: E402  (bench/padded.py: the padded reference layout and the dense mask)
@@ -54,7 +55,7 @@ def make_trajs(n_groups=3, G=4, seed=0, multi_turn=True):
                     ids += [rng.randrange(V) for _ in range(k)]
                     mask += [0] * k
             logprobs = [-rng.random() if m else 0.0 for m in mask]
-            trajs.append(SimpleNamespace(prompt_ids=prompt, ids=ids, loss_mask=mask, logprobs=logprobs))
+            trajs.append(Trajectory.of(prompt, ids, mask, logprobs))
     rng.shuffle(trajs)  # groups are found by identical prompt ids, not by order
     return trajs
 
@@ -118,7 +119,7 @@ def test_fp32_lm_head_matches_fp32_model_in_bf16():
 
 
 # -----------------------------------------------------------------------------
-# policy_update.update: packed gradients equal the padded per-sequence reference
+# policy_update.update_policy: packed gradients equal the padded per-sequence reference
 
 
 class Capture:
@@ -155,8 +156,8 @@ def reference_update(model, ref_model, trajs, adv, cfg):
             old_lp = packing.pad([old[i].tolist() for i in idx], 0.0, "cpu", torch.float32) if need_old else lp.detach()
             ref_lp = packing.pad([ref[i].tolist() for i in idx], 0.0, "cpu", torch.float32) if ref else None
             rollout_lp = packing.pad([trajs[i].logprobs[1:] for i in idx], 0.0, "cpu", torch.float32)
-            loss, _ = grpo.policy_loss(lp, old_lp, adv[idx], mask, ref_logp=ref_lp, rollout_logp=rollout_lp,
-                                       norm=norm, entropy=ent, **grpo.loss_kwargs(g, cfg.sampling.max_context))
+            loss, _ = loss_of(lp, old_lp, adv[idx], mask, ref_logp=ref_lp, rollout_logp=rollout_lp,
+                              norm=norm, entropy=ent, **grpo.loss_kwargs(g, cfg.sampling.max_context))
             loss.backward()
             grads.append([p.grad.clone() for p in model.parameters()])
             # the same (plain SGD) step update() takes, so later mini-batches see the same weights

@@ -15,8 +15,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-import paged_attention as pa
-import tiny
+from engine import paged_attention as pa
+from model import Transformer
+from toy import tiny
 from config import DataConfig, EnvConfig, SamplingConfig
 from engine.engine import Engine
 from rollout import generate, rollout
@@ -147,7 +148,7 @@ def tok_model(tmp_path_factory):
     tiny.build_tiny_tokenizer(d, vocab_size=512)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(d)
-    model = tiny.build_tiny_model(d, vocab_size=len(tok), hidden_size=64, layers=2, heads=4, kv_heads=2)
+    model = tiny.build_tiny_model(Transformer, d, vocab_size=len(tok), hidden_size=64, layers=2, heads=4, kv_heads=2)
     with torch.no_grad():  # peaked distributions, as tests/test_engine.py
         for name, p in model.named_parameters():
             if "norm" not in name:

@@ -9,6 +9,7 @@
     .venv/bin/pytest tests/test_policy_sampler.py -q
 """
 import copy
+import dataclasses
 import re
 import subprocess
 import sys
@@ -18,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 import config as C
-import lora
+from trainer import lora
 from conftest import ROOT, torchrun_env
-from policy_sampler import PolicySampler
-from rollout import rollout
+from trainer.policy_sampler import PolicySampler
+from rollout import rollout, sample_episodes
 from test_rollout_share import DATA, db, example, tok_model  # noqa: F401  (fixtures)
 
 SAMPLING = C.SamplingConfig(temperature=0.9, top_p=1.0, top_k=0, max_new_tokens=24, max_context=1024, block_size=4,
@@ -42,7 +43,7 @@ def test_reused_sampler_equals_fresh_engines(tok_model, db):  # noqa: F811
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=gen) * 0.05)
         sampler.refresh(model)
-        got = sampler.rollout(tok, exs, ecfg, DATA, str(db), n=3, seed=i)
+        got = rollout(sampler.model, tok, exs, ecfg, SAMPLING, DATA, str(db), n=3, seed=i, engine=sampler.engine)
         want = rollout(model, tok, exs, ecfg, SAMPLING, DATA, str(db), n=3, seed=i)
         assert [t.ids for t in got] == [t.ids for t in want]
         assert [t.logprobs for t in got] == [t.logprobs for t in want]
@@ -54,8 +55,9 @@ def test_reused_sampler_equals_fresh_engines(tok_model, db):  # noqa: F811
 
 def test_rollout_before_refresh_is_an_error(tok_model, db):  # noqa: F811
     tok, model = tok_model
+    cfg = C.Config(env=C.EnvConfig(), data=dataclasses.replace(DATA, db_root=str(db)), sampling=SAMPLING)
     with pytest.raises(RuntimeError, match="refresh"):
-        PolicySampler(model, SAMPLING, device="cpu").rollout(tok, [example("q")], C.EnvConfig(), DATA, str(db))
+        sample_episodes(PolicySampler(model, SAMPLING, device="cpu"), tok, [example("q")], cfg, n=1, seed=0)
 
 
 def test_refresh_merges_lora(tok_model):  # noqa: F811

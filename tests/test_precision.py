@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-import distributed
+from trainer import distributed
 from model import ModelArgs, Transformer
 
 
@@ -77,7 +77,7 @@ def test_weight_sync_copies_every_unit_then_leaves_the_shards(one_rank, unit):
     bf16 rounding of every fp32 master, and the trained model is back to its fp32 shards with
     the reshard policy it had (the weight sync changes no FSDP2 setting)."""
     from config import SamplingConfig
-    from policy_sampler import PolicySampler
+    from trainer.policy_sampler import PolicySampler
     plain = tiny_transformer()
     want = {n: p.detach().to(torch.bfloat16) for n, p in plain.named_parameters()}
     model = distributed.shard(plain.to(one_rank), torch.bfloat16, unit)

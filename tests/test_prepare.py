@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import HAVE_SPIDER, ROOT, SPIDER, SPIDER_MISSING
-from dataset import load_examples, read_jsonl
+from sqltask.dataset import load_examples, read_jsonl
 
 sys.path.insert(0, str(ROOT / "data"))
 import prepare_skyrl  # noqa: E402

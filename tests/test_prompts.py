@@ -1,18 +1,16 @@
-"""prompts.py: schema DDL against SQLite itself (every Spider database), the truncation order and
+"""sqltask/prompts.py: schema DDL against SQLite itself (every Spider database), the truncation order and
 its report, and the three templates."""
 import re
 import sqlite3
 import statistics
-import sys
 
 import pytest
 
-import prompts
+from sqltask import prompts
 from config import DataConfig
 from conftest import HAVE_SPIDER, ROOT, SPIDER, SPIDER_MISSING
 
-sys.path.insert(0, str(ROOT / "data"))
-from prepare_toy import prepare_toy  # noqa: E402
+from toy.prepare_toy import prepare_toy  # noqa: E402
 
 
 def build(path, script):
@@ -138,7 +136,7 @@ def test_templates(shop):
 
 
 def test_toy_compact_prompts_are_short(tmp_path):
-    from dataset import load_examples
+    from sqltask.dataset import load_examples
     prepare_toy(tmp_path, seed=0)
     exs = load_examples(tmp_path / "eval.jsonl", tmp_path)
     lens = [len(prompts.build_messages(e, tmp_path, DataConfig(prompt_template="compact"))[1]["content"]) for e in exs]

@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 import config as C
 import reward
+from sqltask import exec_match
 from config import RewardConfig
+from reward import Transcript
 
 
 def reference_spider_eq(gold, pred, order_matters):
@@ -70,14 +72,14 @@ CASES = [  # gold, pred, order_matters, {mode: expected}
 @pytest.mark.parametrize("gold,pred,order,expected", CASES)
 def test_results_match(gold, pred, order, expected):
     for mode, want in expected.items():
-        assert reward.results_match(gold, pred, mode, order) == want, mode
-    assert reward.results_match(gold, pred, "spider", order) == reference_spider_eq(gold, pred, order)
+        assert exec_match.results_match(gold, pred, mode, order) == want, mode
+    assert exec_match.results_match(gold, pred, "spider", order) == reference_spider_eq(gold, pred, order)
 
 
 def test_many_identical_columns_fast():
     gold = [tuple([None] * 11 + [i]) for i in range(50)]
     pred = [tuple([i] + [None] * 11) for i in range(50)]
-    assert reward.results_match(gold, pred, "spider")  # 11! permutations collapse to one
+    assert exec_match.results_match(gold, pred, "spider")  # 11! permutations collapse to one
 
 
 VALUES = st.sampled_from([0, 1, 1.0, 2, 1.5, "a", "1", None])
@@ -103,8 +105,8 @@ def table_pair(draw):
 @given(pair=table_pair(), order=st.booleans())
 def test_spider_matches_reference(pair, order):
     gold, pred = pair
-    assert reward.results_match(gold, pred, "spider", order) == reference_spider_eq(gold, pred, order)
-    assert reward.results_match(gold, pred, "set") == (frozenset(gold) == frozenset(pred))
+    assert exec_match.results_match(gold, pred, "spider", order) == reference_spider_eq(gold, pred, order)
+    assert exec_match.results_match(gold, pred, "set") == (frozenset(gold) == frozenset(pred))
 
 
 # -----------------------------------------------------------------------------
@@ -121,11 +123,11 @@ def test_spider_matches_reference(pair, order):
     ("SELECT * FROM t WHERE y = YEAR ( CURDATE ( ) ) ", "SELECT * FROM t WHERE y = 2020"),
 ])
 def test_spider_sql(sql, want):
-    assert reward.spider_sql(sql) == want
+    assert exec_match.spider_sql(sql) == want
 
 
 def test_spider_sql_keep_distinct():
-    assert reward.spider_sql("SELECT DISTINCT a FROM t; SELECT 2", keep_distinct=True) == "SELECT DISTINCT a FROM t; SELECT 2"
+    assert exec_match.spider_sql("SELECT DISTINCT a FROM t; SELECT 2", keep_distinct=True) == "SELECT DISTINCT a FROM t; SELECT 2"
 
 
 # -----------------------------------------------------------------------------
@@ -272,37 +274,37 @@ def small_db(tmp_path_factory):
 
 def test_episode_rewards_tags_and_actions(small_db):
     good = "<think>t</think><solution>SELECT a FROM t</solution>"
-    eps = [dict(db_path=small_db, gold_sql="SELECT a FROM t", response=good, final_sql="SELECT a FROM t", finished=True),
-           dict(db_path=small_db, gold_sql="SELECT a FROM t", response=good, final_sql="SELECT b FROM t", finished=True),
-           dict(db_path=small_db, gold_sql="SELECT a FROM t", response="<solution>SELECT a FROM t</solution>",
+    eps = [Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response=good, final_sql="SELECT a FROM t", finished=True),
+           Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response=good, final_sql="SELECT b FROM t", finished=True),
+           Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response="<solution>SELECT a FROM t</solution>",
                 final_sql="SELECT a FROM t", finished=True),
-           dict(db_path=small_db, gold_sql="SELECT a FROM t", response="<think>t</think>", final_sql="", finished=False),
-           dict(db_path=small_db, gold_sql="SELECT a FROM t", response=good, final_sql="SELECT nope FROM t", finished=True)]
+           Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response="<think>t</think>", final_sql="", finished=False),
+           Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response=good, final_sql="SELECT nope FROM t", finished=True)]
     out = reward.episode_rewards(eps, RewardConfig())
-    assert [o["reward"] for o in out] == [1.0, 0.0, -1.0, -1.0, 0.0]
-    assert [o["format_ok"] for o in out] == [True, True, False, False, True]
-    assert "no such column" in out[4]["error"]
+    assert [o.value for o in out] == [1.0, 0.0, -1.0, -1.0, 0.0]
+    assert [o.format_ok for o in out] == [True, True, False, False, True]
+    assert "no such column" in out[4].error
     cfg = RewardConfig(correct=2.0, wrong=-0.5, format_error=-3.0, mode="bag")
-    assert [o["reward"] for o in reward.episode_rewards(eps, cfg)] == [2.0, -0.5, -3.0, -3.0, -0.5]
+    assert [o.value for o in reward.episode_rewards(eps, cfg)] == [2.0, -0.5, -3.0, -3.0, -0.5]
     steps = [{"kind": "query", "arg": "SELECT a FROM t", "ok": True, "rows": [(1,), (2,)]}]
-    act = [dict(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="SELECT a FROM t",
+    act = [Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="SELECT a FROM t",
                 finished=True, steps=steps),
-           dict(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="", finished=False, steps=steps)]
+           Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="", finished=False, steps=steps)]
     plain = reward.episode_rewards(act, RewardConfig(), protocol="actions")
-    assert [o["reward"] for o in plain] == [1.0, 0.0]  # no format penalty in sql_env
+    assert [o.value for o in plain] == [1.0, 0.0]  # no format penalty in sql_env
     shaped = -0.005 + 0.02 + 0.01 + 0.15
     # default: the shaping only when the episode ends with an ANSWER; the one without gets nothing
     dense = reward.episode_rewards(act, RewardConfig(dense=True), protocol="actions")
-    assert [o["reward"] for o in dense] == pytest.approx([1.0 + shaped, 0.0])
+    assert [o.value for o in dense] == pytest.approx([1.0 + shaped, 0.0])
     # sql_env's rule: the shaping in every episode
     every = reward.episode_rewards(act, RewardConfig(dense=True, dense_needs_answer=False), protocol="actions")
-    assert [o["reward"] for o in every] == pytest.approx([1.0 + shaped, shaped])
+    assert [o.value for o in every] == pytest.approx([1.0 + shaped, shaped])
     # reward.no_answer: an episode without an ANSWER scores it (plus the shaping under sql_env's rule)
     penalised = reward.episode_rewards(act, RewardConfig(no_answer=-1.0), protocol="actions")
-    assert [o["reward"] for o in penalised] == [1.0, -1.0]
+    assert [o.value for o in penalised] == [1.0, -1.0]
     every = reward.episode_rewards(act, RewardConfig(dense=True, dense_needs_answer=False, no_answer=-1.0),
                                    protocol="actions")
-    assert [o["reward"] for o in every] == pytest.approx([1.0 + shaped, -1.0 + shaped])
+    assert [o.value for o in every] == pytest.approx([1.0 + shaped, -1.0 + shaped])
 
 
 def test_dense_needs_answer_ranks_a_wrong_answer_above_no_answer(small_db):
@@ -310,33 +312,33 @@ def test_dense_needs_answer_ranks_a_wrong_answer_above_no_answer(small_db):
     wrong ANSWER. sql_env's rule pays the first 5 x 0.025 = 0.125 and the second 0.025; with
     dense_needs_answer the first gets 0.0."""
     desc = [{"kind": "describe", "arg": f"t{i}", "ok": True, "rows": None} for i in range(5)]
-    no_answer = dict(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="",
+    no_answer = Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="",
                      finished=False, steps=desc)
-    wrong = dict(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="SELECT b FROM t",
+    wrong = Transcript(db_path=small_db, gold_sql="SELECT a FROM t", response="", final_sql="SELECT b FROM t",
                  finished=True, steps=desc[:1] + [{"kind": "answer", "arg": "SELECT b FROM t", "ok": True, "rows": None}])
     sql_env = reward.episode_rewards([no_answer, wrong], RewardConfig(dense=True, dense_needs_answer=False),
                                      protocol="actions")
-    assert [o["reward"] for o in sql_env] == pytest.approx([0.125, 0.025])
+    assert [o.value for o in sql_env] == pytest.approx([0.125, 0.025])
     gated = reward.episode_rewards([no_answer, wrong], RewardConfig(dense=True), protocol="actions")
-    assert [o["reward"] for o in gated] == pytest.approx([0.0, 0.025])
+    assert [o.value for o in gated] == pytest.approx([0.0, 0.025])
 
 
 def test_empty_solution_scores_wrong_even_when_gold_is_empty(small_db):
     """A deliberate difference from SkyRL (which runs "" and compares two empty results: +1)."""
     good = "<think>t</think><solution></solution>"
-    ep = dict(db_path=small_db, gold_sql="SELECT a FROM t WHERE a > 9", response=good, final_sql="", finished=True)
+    ep = Transcript(db_path=small_db, gold_sql="SELECT a FROM t WHERE a > 9", response=good, final_sql="", finished=True)
     out = reward.episode_rewards([ep], RewardConfig())[0]
-    assert (out["reward"], out["format_ok"], out["error"]) == (0.0, True, "empty prediction")
+    assert (out.value, out.format_ok, out.error) == (0.0, True, "empty prediction")
 
 
 def test_execution_match_errors_and_timeout(small_db):
-    assert reward.execution_match(small_db, "SELECT a FROM t", "SELECT a FROM t") == (True, "")
-    ok, err = reward.execution_match(small_db, "", "SELECT a FROM t")
+    assert exec_match.execution_match(small_db, "SELECT a FROM t", "SELECT a FROM t") == (True, "")
+    ok, err = exec_match.execution_match(small_db, "", "SELECT a FROM t")
     assert not ok and "empty" in err
-    ok, err = reward.execution_match(small_db, "SELECT a FROM t", "SELECT zz FROM t")
+    ok, err = exec_match.execution_match(small_db, "SELECT a FROM t", "SELECT zz FROM t")
     assert not ok and err.startswith("gold failed")
     slow = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i+1 FROM r) SELECT count(*) FROM r"
-    ok, err = reward.execution_match(small_db, slow, "SELECT a FROM t", timeout_s=0.3)
+    ok, err = exec_match.execution_match(small_db, slow, "SELECT a FROM t", timeout_s=0.3)
     assert not ok and "interrupted" in err
 
 
@@ -358,7 +360,7 @@ def test_every_dev_gold_matches_itself_in_every_mode():
     present = [(p, s) for p, s in dev if p.exists()]
     assert (len(dev), len(present)) == (1034, 972)  # 62 on the missing wta_1
     for mode in ("set", "bag", "spider"):
-        res = reward.match_batch([(p, s, s) for p, s in present], mode)
+        res = exec_match.match_batch([(p, s, s) for p, s in present], mode)
         bad = [(s, e) for (p, s), (ok, e) in zip(present, res) if not ok]
         assert not bad, (mode, bad[:3])
 
@@ -391,16 +393,17 @@ REWRITES = [  # db, gold, pred, {mode: match}
 def test_handwritten_rewrites_and_wrong_queries():
     for mode_i, mode in enumerate(("set", "bag", "spider")):
         items = [(SPIDER / "database" / db / f"{db}.sqlite", p, g) for db, g, p, _ in REWRITES]
-        got = [ok for ok, _ in reward.match_batch(items, mode)]
+        got = [ok for ok, _ in exec_match.match_batch(items, mode)]
         want = [w[mode_i] == "T" for *_, w in REWRITES]
         assert got == want, (mode, [r[2] for r, a, b in zip(REWRITES, got, want) if a != b])
 
 
 def test_conversation_pieces_only_in_conversation_format(monkeypatch):
-    """The reward call sites pass rollout.conversation_wrapper's non-empty pieces in the
+    """The reward call sites pass chat.conversation_wrapper's non-empty pieces in the
     conversation format and nothing in the single-message format."""
     import types
-    import rollout
-    monkeypatch.setattr(rollout, "conversation_wrapper", lambda tok: ("<|im_end|>", "\nU\n", ""))
-    assert rollout.conversation_pieces(None, types.SimpleNamespace(conversation="conversation")) == ("<|im_end|>", "\nU\n")
-    assert rollout.conversation_pieces(None, types.SimpleNamespace(conversation="single")) == ()
+
+    from sqltask import chat
+    monkeypatch.setattr(chat, "conversation_wrapper", lambda tok: ("<|im_end|>", "\nU\n", ""))
+    assert chat.conversation_pieces(None, types.SimpleNamespace(conversation="conversation")) == ("<|im_end|>", "\nU\n")
+    assert chat.conversation_pieces(None, types.SimpleNamespace(conversation="single")) == ()

@@ -10,14 +10,15 @@ import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 import env
-import prompts
-import tiny
+from sqltask import prompts
+from toy import tiny
 from conftest import ROOT
 from config import DataConfig, EnvConfig, SamplingConfig
 from engine.block_manager import BlockManager
 from model import Transformer
-from paged_attention import PagedBatch, PagedKVCache
-from rollout import conversation_wrapper, generate, observation_ids, rollout
+from engine.paged_attention import PagedBatch, PagedKVCache
+from rollout import generate, rollout
+from sqltask.chat import conversation_wrapper, observation_ids
 from engine.sampling import StopChecker, mix_py, row_key, sample_next, uniforms
 
 torch.set_num_threads(2)

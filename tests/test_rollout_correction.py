@@ -1,4 +1,4 @@
-"""rollout_correction.py (sampler vs trainer logprobs: mismatch metrics, truncated / masked IS,
+"""trainer/rollout_correction.py (sampler vs trainer logprobs: mismatch metrics, truncated / masked IS,
 the geometric sequence mask) against hand-computed values, and how policy_loss applies it.
 
     .venv/bin/pytest tests/test_rollout_correction.py -q
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from grpo import policy_loss
-from rollout_correction import RolloutIS, is_weights, mismatch_metrics
+from conftest import loss_of
+from trainer.rollout_correction import RolloutIS, is_weights, mismatch_metrics
 
 L = math.log
 
@@ -92,12 +92,12 @@ def test_policy_loss_applies_weights_to_pg_only():
     ref = old + torch.where(mask.bool(), torch.full_like(old, L(2)), torch.zeros_like(old))
     k3 = 2 - L(2) - 1
     kw = dict(clip_low=0.2, clip_high=0.2, ref_logp=ref, kl_beta=0.1, norm=5)
-    plain, met0 = policy_loss(logp, old, adv, mask, **kw)
+    plain, met0 = loss_of(logp, old, adv, mask, **kw)
     assert approx(plain, (-3 * 1 + 2 * 2 + 5 * 0.1 * k3) / 5)
     assert "mismatch_kl" not in met0  # no rollout_logp: nothing logged
-    logged, met1 = policy_loss(logp, old, adv, mask, rollout_logp=rollout, **kw)
+    logged, met1 = loss_of(logp, old, adv, mask, rollout_logp=rollout, **kw)
     assert approx(logged, plain) and approx(met1["mismatch_abs_max"], L(3)) and "is_weight_mean" not in met1
-    tis, met = policy_loss(logp, old, adv, mask, rollout_logp=rollout, rollout_is=RolloutIS("token-tis"), **kw)
+    tis, met = loss_of(logp, old, adv, mask, rollout_logp=rollout, rollout_is=RolloutIS("token-tis"), **kw)
     assert approx(tis, (-(2 + 0.4 + 1) + 2 * (1.1 + 1.1) + 5 * 0.1 * k3) / 5)
     tis.backward()
     # d/dlogp of -w A ρ at ρ = 1 is -w A; of β k3 it is β (1 - e^{ref - logp}) = -β

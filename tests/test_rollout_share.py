@@ -20,10 +20,12 @@ import torch
 import env
 import rollout as rollout_module
 from engine import scheduler as scheduler_module
-import tiny
+from model import Transformer
+from toy import tiny
 from engine.block_manager import BlockManager
 from config import DataConfig, EnvConfig, SamplingConfig
-from rollout import ToolCalls, render_prompt, rollout
+from rollout import ToolCalls, rollout
+from sqltask.chat import render_prompt
 from engine.scheduler import Scheduler, Sequence
 
 torch.set_num_threads(2)
@@ -37,7 +39,7 @@ def tok_model(tmp_path_factory):
     tiny.build_tiny_tokenizer(d, vocab_size=512)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(d)
-    model = tiny.build_tiny_model(d, vocab_size=len(tok), hidden_size=64, layers=2, heads=4, kv_heads=2)
+    model = tiny.build_tiny_model(Transformer, d, vocab_size=len(tok), hidden_size=64, layers=2, heads=4, kv_heads=2)
     with torch.no_grad():  # sharpen N(0, 0.02) weights: rows that attend to other K/V sample other tokens
         for name, p in model.named_parameters():
             if "norm" not in name:

@@ -1,4 +1,4 @@
-"""runguard.py and what it does to a run: one run per out_dir (a lock a kill -9 does not leave
+"""trainer/runguard.py and what it does to a run: one run per out_dir (a lock a kill -9 does not leave
 stuck), SIGINT/SIGTERM stop at a step boundary with a checkpoint and one line, ranks stop when
 torchrun is gone, a user error is one line on rank 0, metrics.jsonl never repeats a step.
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import config as C
-import dataset
-import runguard
+from sqltask import dataset
+from trainer import runguard
 from conftest import ROOT, build_tiny_assets, torchrun_env
 from test_train import read_metrics, run_train, small_args
 

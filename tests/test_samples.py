@@ -15,9 +15,11 @@ import torch
 from conftest import ROOT, build_tiny_assets
 
 import config as C
-import episodes
-import run_log
-import samples
+import eval as eval_
+from trainer import run_log
+from trainer import sample_log
+from reward import Reward
+from rollout import Episode
 
 
 def test_samples_jsonl_and_offline_wandb_table_hold_the_same_episodes(tmp_path):
@@ -52,30 +54,30 @@ def test_samples_jsonl_and_offline_wandb_table_hold_the_same_episodes(tmp_path):
                     key=lambda f: int(f.name.split("_")[1]))  # samples_<step>_<hash>.table.json
     assert len(tables) == 2, list((out_dir / "wandb").rglob("*"))
     last = json.loads(tables[-1].read_text())
-    assert last["columns"] == samples.COLUMNS
+    assert last["columns"] == sample_log.COLUMNS
     assert [[d[0], d[1], d[3], d[4], d[5], d[6]] for d in last["data"]] == \
         [[r["step"], r["question"], r["solution"], r["reward"], r["exec_match"], r["gold"]] for r in rows]
-    assert [d[2] for d in last["data"]] == [samples.turns_text(r["turns"]) for r in rows]
+    assert [d[2] for d in last["data"]] == [sample_log.turns_text(r["turns"]) for r in rows]
 
 
 def _episode(first_rows, right):
     """A fake rollout episode whose first query returned first_rows rows (None: failed) and a reward."""
     step = {"kind": "sql", "arg": "SELECT 1", "ok": first_rows is not None, "rows": None, "n_rows": first_rows}
     traj = SimpleNamespace(steps=[step], num_turns=2, num_tool_calls=1, loss_mask=[1, 1])
-    return traj, {"reward": float(right), "exec_match": right, "format_ok": True}
+    return Episode(traj, Reward(float(right), right, True), {}, 0)
 
 
 def test_evaluate_logs_recovery_counts_and_rate(tmp_path, monkeypatch):
-    """episodes.evaluate logs eval.py generate's error recovery: first query failed or empty, of those
+    """eval.evaluate logs eval.py generate's error recovery: first query failed or empty, of those
     the episodes that ended right, and their ratio (absent when no first query went wrong)."""
     cfg = C.load_config([f"--train.out_dir={tmp_path}", "--wandb.mode=disabled"])
     eps = [_episode(0, True), _episode(0, False), _episode(None, True), _episode(3, True), _episode(2, False)]
-    monkeypatch.setattr(episodes, "run_episodes", lambda *a, **k: ([t for t, _ in eps], [r for _, r in eps], 0.1, 0.0))
+    monkeypatch.setattr(eval_, "sample_episodes", lambda *a, **k: list(eps))
     log = run_log.Log(cfg, 0)
-    m = episodes.evaluate(None, None, list(range(5)), cfg, 0, 1, torch.device("cpu"), log, 4)
+    m = eval_.evaluate(None, None, list(range(5)), cfg, 0, 1, torch.device("cpu"), log, 4)
     assert (m["eval/first_query_bad"], m["eval/recovered"], m["eval/recovery_rate"]) == (3, 2, 2 / 3)
     eps[:] = [_episode(1, True)]
-    m = episodes.evaluate(None, None, [0], cfg, 0, 1, torch.device("cpu"), log, 8)
+    m = eval_.evaluate(None, None, [0], cfg, 0, 1, torch.device("cpu"), log, 8)
     assert m["eval/first_query_bad"] == 0 and "eval/recovery_rate" not in m
     logged = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [(r["step"], r["eval/first_query_bad"], r.get("eval/recovery_rate")) for r in logged] == \

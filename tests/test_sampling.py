@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import sampling
-import tiny
+from toy import tiny
 from engine.sampling import StopChecker, row_key, sample_next
 
 STOPS = ["</sql>", "</solution>"]

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-import checkpoint
+from trainer import checkpoint
 from test_train import read_metrics, run_train, small_args
 
 

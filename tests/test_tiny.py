@@ -1,18 +1,17 @@
-"""tiny.py: the tokenizer round-trips through AutoTokenizer, the folder loads in transformers and ours.
+"""toy/tiny.py: the tokenizer round-trips through AutoTokenizer, the folder loads in transformers and ours.
 
 Run: .venv/bin/pytest tests/test_tiny.py -q
 """
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import tiny
+from toy import tiny
+import sft
 from model import Transformer
 
 TEXTS = [
@@ -27,7 +26,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny")
-    tiny.build_tiny(out, vocab_size=700, family="qwen2", hidden_size=32, layers=2, heads=4, kv_heads=2)
+    tiny.build_tiny(Transformer, out, vocab_size=700, family="qwen2", hidden_size=32, layers=2, heads=4, kv_heads=2)
     return out
 
 
@@ -79,9 +78,9 @@ def test_model_folder_loads_in_transformers_and_ours(folder):
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_other_families_deterministic(tmp_path, family):
     kw = dict(family=family, vocab_size=300, hidden_size=32, heads=4, kv_heads=2, tie=False)
-    a = tiny.build_tiny_model(tmp_path / "a", seed=3, **kw)
-    b = tiny.build_tiny_model(tmp_path / "b", seed=3, **kw)
-    c = tiny.build_tiny_model(tmp_path / "c", seed=4, **kw)
+    a = tiny.build_tiny_model(Transformer, tmp_path / "a", seed=3, **kw)
+    b = tiny.build_tiny_model(Transformer, tmp_path / "b", seed=3, **kw)
+    c = tiny.build_tiny_model(Transformer, tmp_path / "c", seed=4, **kw)
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(sa["embed_tokens.weight"], sc["embed_tokens.weight"])
@@ -91,15 +90,11 @@ def test_other_families_deterministic(tmp_path, family):
         assert (a(x) - hf(x).logits).abs().max().item() <= 1e-5
 
 
-def test_cli_with_jsonl_corpus(tmp_path):
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text("\n".join(json.dumps({"question": f"How many rows in table_{i}?",
-                                            "gold_sql": f"SELECT COUNT(*) FROM table_{i}"})
-                                for i in range(50)))
+def test_build_tiny_from_a_corpus(tmp_path):
+    """A llama-family tiny model whose tokenizer merges the corpus's words."""
+    texts = [f"How many rows in table_{i}? SELECT COUNT(*) FROM table_{i}" for i in range(50)]
     out = tmp_path / "m"
-    subprocess.run([sys.executable, "tiny.py", "--out", str(out), "--corpus", str(corpus),
-                    "--family", "llama", "--vocab-size", "400", "--hidden-size", "32"],
-                   check=True, cwd=tiny.__file__.rsplit("/", 1)[0], capture_output=True)
+    tiny.build_tiny(Transformer, out, texts, 400, family="llama", hidden_size=32)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["hidden_size"] == 32
     tok = AutoTokenizer.from_pretrained(out)
@@ -112,9 +107,8 @@ def test_an_older_toy_set_and_its_tiny_model_are_built_again(tmp_path):
     toy_version stamp and builds both again; a current pair is left alone."""
     import os
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "data"))
     from conftest import build_tiny_assets
-    from prepare_toy import TOY_VERSION
+    from toy.prepare_toy import TOY_VERSION
     build_tiny_assets(tmp_path)
     train, weights = tmp_path / "toy" / "train.jsonl", tmp_path / "model" / "model.safetensors"
     assert (tmp_path / "toy" / "toy_version").read_text().strip() == str(TOY_VERSION)
@@ -144,7 +138,7 @@ def test_a_tiny_model_of_another_shape_is_built_again(tmp_path, capsys):
     capsys.readouterr()
     for path in (tmp_path / "model", ckpt):
         tiny.prepare_assets(C.load_config(["--" + a for a in settings] + ["--model.tiny_layers=2",
-                                                                          f"--model.path={path}"]))
+                                                                          f"--model.path={path}"]), Transformer, sft.gold_texts)
     assert json.loads((tmp_path / "model" / "config.json").read_text())["num_hidden_layers"] == 2
     assert "num_hidden_layers 1 -> 2" in capsys.readouterr().out
     assert json.loads((ckpt / "config.json").read_text())["num_hidden_layers"] == 1
@@ -167,7 +161,7 @@ def test_a_checkpoint_or_foreign_data_is_never_overwritten(tmp_path, capsys):
     weights = (ckpt / "model.safetensors").read_bytes()
     (tmp_path / "toy" / "toy_version").write_text("1\n")  # an older toy set: it is built again
     cfg = C.load_config(["--" + a for a in settings] + [f"--model.path={ckpt}"])
-    tiny.prepare_assets(cfg)
+    tiny.prepare_assets(cfg, Transformer, sft.gold_texts)
     assert (tmp_path / "toy" / "toy_version").read_text().strip() != "1"
     assert (ckpt / "model.safetensors").read_bytes() == weights and (ckpt / "config.json").exists()
     assert "has no toy_version stamp" in capsys.readouterr().out
@@ -179,5 +173,5 @@ def test_a_checkpoint_or_foreign_data_is_never_overwritten(tmp_path, capsys):
     cfg = C.load_config(["--" + a for a in settings] + [f"--data.train_path={mine}/train.jsonl",
                                                         f"--data.db_root={mine}"])
     with pytest.raises(ValueError, match="not a toy set"):
-        tiny.prepare_assets(cfg)
+        tiny.prepare_assets(cfg, Transformer, sft.gold_texts)
     assert (mine / "train.jsonl").read_text() == records + "\n"

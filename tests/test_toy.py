@@ -14,12 +14,11 @@ from collections import Counter
 import pytest
 
 from conftest import ROOT
-from dataset import load_examples
+from sqltask.dataset import load_examples
 
-sys.path.insert(0, str(ROOT / "data"))
-from prepare_toy import (CODE, EVAL_DBS_PER_FAMILY, TEMPLATES, TOOL_TEMPLATES, TRAIN_DBS_PER_FAMILY,  # noqa: E402
+from toy.prepare_toy import (CODE, EVAL_DBS_PER_FAMILY, TEMPLATES, TOOL_TEMPLATES, TRAIN_DBS_PER_FAMILY,  # noqa: E402
                          prepare_toy, wildcard_right, wildcard_shares)
-from toy_schemas import FAMILIES, code_prefix  # noqa: E402
+from toy.schemas import FAMILIES, code_prefix  # noqa: E402
 
 N_DBS = len(FAMILIES) * (TRAIN_DBS_PER_FAMILY + EVAL_DBS_PER_FAMILY)
 
@@ -42,7 +41,7 @@ def _files(d):
 def test_same_seed_byte_identical_and_other_seed_differs(toy, tmp_path):
     out, _ = toy
     # the CLI, a second time: same bytes for the jsonl files *and* the sqlite files
-    subprocess.run([sys.executable, str(ROOT / "data/prepare_toy.py"), "--out", str(tmp_path / "a")],
+    subprocess.run([sys.executable, "-m", "toy.prepare_toy", "--out", str(tmp_path / "a")], cwd=ROOT,
                    check=True, capture_output=True)
     a, b = _files(out), _files(tmp_path / "a")
     assert a.keys() == b.keys() and len(a) == N_DBS + 3  # + train, eval, toy_version
@@ -204,17 +203,17 @@ def test_no_wildcard_answers_a_tool_question(toy, tmp_path):
 
 
 def test_gold_trajectories_follow_the_format_and_score_one(toy):
-    """gold.gold_trajectory for every eval and 300 train records: the lookup then the solution for
+    """sft.gold_episodes for every eval and 300 train records: the lookup then the solution for
     tool questions (refine questions: the natural lookup, its empty observation, then the lookup),
     a direct solution otherwise; SkyRL's format (reward.format_ok), a <think> after every
     observation, and reward 1 through reward.episode_rewards. With two turns a refine question
     gets the lookup alone (no turn for the failed one)."""
     import config as C
     import env
-    import gold
     import reward
-    import rollout
-    import tiny
+    import sft
+    from sqltask import chat
+    from toy import tiny
     from transformers import AutoTokenizer
     out, _ = toy
     tok_dir = out.parent / (out.name + "_tok")
@@ -225,11 +224,11 @@ def test_gold_trajectories_follow_the_format_and_score_one(toy):
     cfg = C.load_config(["--env.max_turns=3", "--sft.think_text=", "--sft.with_tool_turn=false",
                          "--data.prompt_template=compact"])
     two_turns = C.load_config(["--env.max_turns=2", "--sft.think_text=", "--data.prompt_template=compact"])
-    prompts = [rollout.render_prompt(tok, r, cfg.data, "tags", str(out)) for r in recs]
+    prompts = [chat.render_prompt(tok, r, cfg.data, "tags", str(out)) for r in recs]
     episodes = []
-    for r, p in zip(recs, prompts):
-        ids, mask = gold.gold_trajectory(r, p, tok, cfg, r["db_file"])
-        text = tok.decode(ids[len(p):])
+    gold = sft.gold_episodes(recs, prompts, tok, cfg, [r["db_file"] for r in recs])
+    for r, p, ep in zip(recs, prompts, gold):
+        text = tok.decode(ep.ids[len(p):])
         assert text.endswith("</solution>")  # where the rollout stops
         assert text.count("<observation>") == bool(r["lookup_sql"]) + bool(r["first_lookup_sql"]), text
         code = re.findall(r"'([^']*)'", r["gold_sql"])[0] if r["lookup_sql"] else ""
@@ -237,18 +236,17 @@ def test_gold_trajectories_follow_the_format_and_score_one(toy):
             assert text.startswith(f"<think></think>\n<sql>{r['first_lookup_sql']}</sql>"), text
             failed = text[text.index("<observation>"):text.index("</observation>")]
             assert code not in failed and "(0 rows)" in failed, failed
-            text_two, _ = gold.gold_trajectory(r, p, tok, two_turns, r["db_file"])
-            assert tok.decode(text_two[len(p):]).startswith(f"<think></think>\n<sql>{r['lookup_sql']}</sql>")
+            ep_two, = sft.gold_episodes([r], [p], tok, two_turns, [r["db_file"]])
+            assert tok.decode(ep_two.ids[len(p):]).startswith(f"<think></think>\n<sql>{r['lookup_sql']}</sql>")
         if r["lookup_sql"]:
             tail = text[text.index("</observation>") + 1:] if r["first_lookup_sql"] else text
             assert f"<sql>{r['lookup_sql']}</sql>" in tail, text
             assert code in tail[tail.index("<observation>"):tail.index("</observation>")]
         assert not re.search(r"</observation>(?!\s*<think>)", text), text  # SkyRL: think after each
         assert reward.format_ok(text, True) == (True, "")
-        episodes.append({"db_path": r["db_file"], "gold_sql": r["gold_sql"], "response": text,
-                         "final_sql": env.parse_turn(text).arg, "finished": True, "steps": []})
+        episodes.append(reward.Transcript(r["db_file"], r["gold_sql"], text, env.parse_turn(text).arg, True))
     scores = reward.episode_rewards(episodes, cfg.reward)
-    assert [s["reward"] for s in scores] == [1.0] * len(recs), [s for s in scores if s["reward"] != 1.0][:3]
+    assert [s.value for s in scores] == [1.0] * len(recs), [s for s in scores if s.value != 1.0][:3]
     assert sum(bool(r["lookup_sql"]) for r in recs) >= 150 and sum(bool(r["first_lookup_sql"]) for r in recs) >= 100
 
 

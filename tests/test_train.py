@@ -13,16 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
+from trainer import checkpoint
 import config as C
-import distributed
-import episodes
-import gold
-import optim
+from trainer import distributed
+from trainer import optim
 import rollout
-import run_log
+from sqltask import chat
+from trainer import run_log
 import sft
-import tiny
+from toy import tiny
 import train
 from conftest import ROOT, build_tiny_assets, grpo_update, torchrun_env
 from model import Transformer
@@ -34,7 +33,7 @@ import padded  # noqa: E402  (bench/padded.py: the padded reference layout)
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
-    tiny.build_tiny(str(d), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
+    tiny.build_tiny(Transformer, str(d), None, vocab_size=300, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=0)
     from transformers import AutoTokenizer
     return str(d), AutoTokenizer.from_pretrained(str(d))
 
@@ -73,15 +72,15 @@ def test_grpo_update_raises_reward_on_trivial_task(tiny_model):
 
 def test_sft_gold_trajectory_masks_model_side(tmp_path, tiny_model):
     path, tok = tiny_model
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from toy.prepare_toy import prepare_toy
     prepare_toy(str(tmp_path), seed=0)
-    import dataset
+    from sqltask import dataset
     ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=1)[0]
     for conv in ("single", "conversation"):
         cfg = C.load_config([f"--env.conversation={conv}", "--data.prompt_template=compact"])
-        p = rollout.render_prompt(tok, ex, cfg.data, "tags", str(tmp_path))
-        ids, mask = gold.gold_trajectory(ex, p, tok, cfg, dataset.abs_db_path(ex, str(tmp_path)))
+        p = chat.render_prompt(tok, ex, cfg.data, "tags", str(tmp_path))
+        ep, = sft.gold_episodes([ex], [p], tok, cfg, [dataset.abs_db_path(ex, str(tmp_path))])
+        ids, mask = ep.ids, ep.loss_mask
         assert ids[:len(p)] == p and not any(mask[:len(p)])
         model_text = tok.decode([i for i, m in zip(ids, mask) if m])
         gold_sql = ex["gold_sql"]
@@ -96,10 +95,9 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
     """sft.stop_at_train_ex: the warm start checks training EX every stop_check_every steps and
     ends at the first check at or above the threshold; 0 turns the check off; sft.steps caps it."""
     path, tok = tiny_model
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from toy.prepare_toy import prepare_toy
     prepare_toy(str(tmp_path), seed=0)
-    import dataset
+    from sqltask import dataset
     cfg = C.load_config([f"--sft.stop_at_train_ex={threshold}", "--sft.stop_check_every=10", "--sft.steps=40",
                          "--sft.batch_size=4", "--data.prompt_template=compact", f"--data.db_root={tmp_path}",
                          "--wandb.mode=disabled", "--train.threads=1",
@@ -113,7 +111,7 @@ def test_sft_stops_when_training_ex_reaches_the_threshold(tmp_path, tiny_model, 
         return {f"{prefix}/ex": curve[step]}
     real_step = optim.step_optimizer
     monkeypatch.setattr(optim, "step_optimizer", lambda *a: steps.append(1) or real_step(*a))
-    monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
+    monkeypatch.setattr(sft, "evaluate", fake_evaluate)
     log = run_log.Log(cfg, 0)
     model = Transformer.from_pretrained(path)
     sampler = CountingSampler()
@@ -147,10 +145,9 @@ def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, monkeypatch,
     """sft.stop_at_train_recovery: the stop also needs the check's recovery rate (first query
     empty or failed, episode still right) at or above it; sft.stop_check_from: the first check."""
     path, tok = tiny_model
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from toy.prepare_toy import prepare_toy
     prepare_toy(str(tmp_path), seed=0)
-    import dataset
+    from sqltask import dataset
     cfg = C.load_config(["--sft.stop_at_train_ex=0.4", "--sft.stop_at_train_recovery=0.25", "--sft.steps=40",
                          f"--sft.stop_check_from={check_from}",
                          "--sft.stop_check_every=10", "--sft.batch_size=4", "--data.prompt_template=compact",
@@ -163,7 +160,7 @@ def test_sft_stop_waits_for_the_recovery_rate(tmp_path, tiny_model, monkeypatch,
         checks.append(step)
         ex, recovery = curve[step]
         return {f"{prefix}/ex": ex, **({f"{prefix}/recovery_rate": recovery} if recovery is not None else {})}
-    monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
+    monkeypatch.setattr(sft, "evaluate", fake_evaluate)
     log = run_log.Log(cfg, 0)
     sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
                 torch.device("cpu"), log)
@@ -181,10 +178,9 @@ def test_sft_checks_finer_near_the_threshold(tmp_path, tiny_model, monkeypatch, 
     the warm start checks every stop_check_every_near steps, so it stops soon after the climb
     crosses stop_at_train_ex instead of at the next coarse check far above it."""
     path, tok = tiny_model
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from toy.prepare_toy import prepare_toy
     prepare_toy(str(tmp_path), seed=0)
-    import dataset
+    from sqltask import dataset
     cfg = C.load_config(["--sft.stop_at_train_ex=0.5", "--sft.stop_check_every=10", "--sft.steps=40",
                          f"--sft.stop_near_ex={near}", f"--sft.stop_check_every_near={every_near}",
                          "--sft.batch_size=4", "--data.prompt_template=compact", f"--data.db_root={tmp_path}",
@@ -197,7 +193,7 @@ def test_sft_checks_finer_near_the_threshold(tmp_path, tiny_model, monkeypatch, 
     def fake_evaluate(sampler, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
         seen.append(step)
         return {f"{prefix}/ex": curve[step]}
-    monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
+    monkeypatch.setattr(sft, "evaluate", fake_evaluate)
     log = run_log.Log(cfg, 0)
     sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
                 torch.device("cpu"), log)
@@ -209,10 +205,9 @@ def test_sft_checks_finer_near_the_threshold(tmp_path, tiny_model, monkeypatch, 
 def near_grid_cfg(tmp_path, *extra):
     """The toy set at tmp_path and a warm start of 40 steps with a coarse (10) and a fine (near 0.3)
     check grid, stopping at training EX 0.5; extra: more --key=value overrides."""
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from toy.prepare_toy import prepare_toy
     prepare_toy(str(tmp_path), seed=0)
-    import dataset
+    from sqltask import dataset
     cfg = C.load_config(["--sft.stop_at_train_ex=0.5", "--sft.stop_check_every=10", "--sft.steps=40",
                          "--sft.stop_near_ex=0.3", "--sft.batch_size=4", "--data.prompt_template=compact",
                          f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1",
@@ -232,7 +227,7 @@ def test_sft_check_grid_returns_to_the_coarse_one_when_ex_falls_back(tmp_path, t
     cfg, train_ex = near_grid_cfg(tmp_path, "--sft.stop_check_every_near=3")
     curve = {10: 0.1, 20: 0.35, 21: 0.25, 30: 0.4, 33: 0.6}  # near at 20, below at 21, near at 30, stop at 33
     seen = []
-    monkeypatch.setattr(episodes, "evaluate", lambda sampler, tok, exs, cfg, rank, world, device, log, step,
+    monkeypatch.setattr(sft, "evaluate", lambda sampler, tok, exs, cfg, rank, world, device, log, step,
                         prefix="eval": seen.append(step) or {f"{prefix}/ex": curve[step]})
     sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
                 torch.device("cpu"), run_log.Log(cfg, 0))
@@ -257,7 +252,7 @@ def test_sft_resumes_its_weights_and_its_check_grid(tmp_path, tiny_model, monkey
             raise Killed
         seen.append(step)
         return {f"{prefix}/ex": curve[step]}
-    monkeypatch.setattr(episodes, "evaluate", fake_evaluate)
+    monkeypatch.setattr(sft, "evaluate", fake_evaluate)
 
     def warm_start(resume_from=None):
         model = Transformer.from_pretrained(path)
@@ -307,10 +302,9 @@ def test_stop_check_unseen_on_a_small_training_set_uses_trained_questions(tmp_pa
     cannot leave ~8 databases out: the warm start says so in one line and checks trained questions
     (it raised a ValueError on every rank before)."""
     path, tok = tiny_model
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from toy.prepare_toy import prepare_toy
     prepare_toy(str(tmp_path), seed=0)
-    import dataset
+    from sqltask import dataset
     cfg = C.load_config(["--sft.stop_at_train_ex=0.4", "--sft.stop_check_unseen=true", "--sft.steps=10",
                          "--sft.stop_check_every=5", "--sft.stop_check_questions=8", "--sft.batch_size=4",
                          "--data.prompt_template=compact", f"--data.db_root={tmp_path}", "--wandb.mode=disabled",
@@ -318,7 +312,7 @@ def test_stop_check_unseen_on_a_small_training_set_uses_trained_questions(tmp_pa
     train_ex = dataset.load_examples(str(tmp_path / "train.jsonl"), str(tmp_path), limit=40)
     assert len({ex["db_id"] for ex in train_ex}) < sft.UNSEEN_MIN_DATABASES
     probes = []
-    monkeypatch.setattr(episodes, "evaluate", lambda sampler, tok, exs, *a, prefix="eval", **k:
+    monkeypatch.setattr(sft, "evaluate", lambda sampler, tok, exs, *a, prefix="eval", **k:
                         probes.append([ex["id"] for ex in exs]) or {f"{prefix}/ex": 0.0})
     log = run_log.Log(cfg, 0)
     printed = []
@@ -333,10 +327,9 @@ def test_sft_loss_runs_in_training_mode(tmp_path, tiny_model, monkeypatch):
     """The warm start's loss forwards run in training mode (dropout on), and the model comes back
     in the mode it had (from_pretrained: eval, what rollouts and scoring use)."""
     path, tok = tiny_model
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from toy.prepare_toy import prepare_toy
     prepare_toy(str(tmp_path), seed=0)
-    import dataset
+    from sqltask import dataset
     cfg = C.load_config(["--sft.steps=2", "--sft.batch_size=4", "--data.prompt_template=compact",
                          f"--data.db_root={tmp_path}", "--wandb.mode=disabled", "--train.threads=1",
                          f"--train.out_dir={tmp_path}/run"])  # the warm start saves there
@@ -449,7 +442,7 @@ def test_a_checkpoint_of_another_vocabulary_is_not_resumed(tmp_path, tiny_model)
     on a new tokenizer corpus (tiny.CORPUS_VERSION) under an unchanged config: the config check
     passes, so the vocabulary is checked on its own. Resuming would put the old weights' rows
     under other tokens."""
-    import checkpoint
+    from trainer import checkpoint
     from transformers import AutoTokenizer
     path, tok = tiny_model
     other_dir = tmp_path / "other_tok"
@@ -514,20 +507,22 @@ def weights(model) -> dict:
 
 
 class ScriptedSampler:
-    """Stands in for policy_sampler.PolicySampler in train.main. rollout returns G one-token
-    episodes per example, each tagged (round, example id, sample) (a round = one rollout call
-    within a step); `reward_of(round, i, j)` scores sample j of the round's i-th example. Each
-    refresh records the policy's weights, and each rollout whether it samples the current ones."""
+    """Stands in for trainer/policy_sampler.PolicySampler in train.main. Its rollout (rollout.rollout,
+    patched: it finds the sampler as the engine it is handed) returns G one-token episodes per
+    example, each tagged (round, example id, sample) (a round = one rollout call within a step);
+    `reward_of(round, i, j)` scores sample j of the round's i-th example (written in the episode's
+    text for the patched reward). Each refresh records the policy's weights, and each rollout
+    whether it samples the current ones."""
 
     def __init__(self, model, cfg, dtype=None):
         self.model, self.synced, self.rounds, self.current, self.asked = model, [], 0, [], []
-        self.warm_up_s = 0.0  # PolicySampler's: seconds its first refresh spent capturing the decode step
+        self.engine, self.refreshed, self.warm_up_s = self, True, 0.0
         ScriptedSampler.made.append(self)
 
     def refresh(self, model):
         self.synced.append(weights(model))
 
-    def rollout(self, tok, examples, env_cfg, data_cfg, db_root, *, sampling_cfg=None, n=1, seed=0, greedy=False):
+    def rollout(self, examples, n):
         self.asked.append([ex["id"] for ex in examples])
         now = weights(self.model)
         self.current.append(all(torch.equal(now[k], v) for k, v in self.synced[-1].items()))
@@ -536,7 +531,7 @@ class ScriptedSampler:
             for j in range(n):
                 t = rollout.Trajectory.of([1, 2], [1, 2, 3], [0, 0, 1], [0.0, 0.0, -1.0], num_turns=1, index=i,
                                           sample=j)
-                t.tag, t.reward = (self.rounds, ex["id"], j), float(self.reward_of(self.rounds, i, j))
+                t.tag, t.text = (self.rounds, ex["id"], j), str(float(self.reward_of(self.rounds, i, j)))
                 trajs.append(t)
         self.rounds += 1
         return trajs
@@ -544,9 +539,11 @@ class ScriptedSampler:
 
 def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *args):
     """train.main with the scripted sampler; the update records the episodes and advantages it is
-    given; optim.step_optimizer returns the next of `grad_norms` and, when finite, moves every
-    weight (a skipped step moves none). Returns (the sampler, [(tags, advantages) per update])."""
-    import baseline
+    given (policy_update.update, per mini-batch); optim.step_optimizer returns the next of
+    `grad_norms` and, when finite, moves every weight (a skipped step moves none). Returns (the
+    sampler, [(tags, advantages) per update])."""
+    from reward import Reward
+    from trainer import policy_update
     ScriptedSampler.made, ScriptedSampler.reward_of = [], staticmethod(reward_of)
     updates, norms = [], iter(grad_norms)
 
@@ -558,13 +555,16 @@ def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *arg
                     q.add_(0.01)
         return g
     monkeypatch.setattr(train, "PolicySampler", ScriptedSampler)
-    monkeypatch.setattr(episodes, "rewards", lambda trajs, exs, tok, cfg, n=1: [
-        {"reward": t.reward, "exec_match": t.reward > 0, "format_ok": True} for t in trajs])
-    monkeypatch.setattr(episodes, "evaluate", lambda *a, **k: {"eval/ex": 0.0})
-    monkeypatch.setattr(baseline, "report", lambda *a, **k: None)
-    monkeypatch.setattr(train, "batch_logprobs", lambda model, ref, trajs, cfg, device: None)
-    monkeypatch.setattr(train, "update", lambda model, trajs, idx, adv, logps, cfg, world, device, sums:
-                        updates.append(([trajs[i].tag for i in idx], adv[idx].tolist())))
+    monkeypatch.setattr(rollout, "rollout", lambda model, tok, examples, *a, n=1, engine=None, **k:
+                        engine.rollout(examples, n))
+    monkeypatch.setattr(rollout, "episode_rewards", lambda scripts, *a: [
+        Reward(float(t.response), float(t.response) > 0, True) for t in scripts])
+    monkeypatch.setattr(sft, "evaluate", lambda *a, **k: {"eval/ex": 0.0})
+    monkeypatch.setattr(train, "evaluate", lambda *a, **k: {"eval/ex": 0.0})
+    monkeypatch.setattr(train, "report_random_floor", lambda *a, **k: None)
+    monkeypatch.setattr(policy_update, "batch_tokens", lambda model, ref, trajs, advantages, cfg, device: advantages)
+    monkeypatch.setattr(policy_update, "update", lambda model, trajs, idx, adv, loss, cfg, world, device, sums:
+                        updates.append(([trajs[i].tag for i in idx], [float(adv[i][0]) for i in idx])))
     monkeypatch.setattr(optim, "step_optimizer", step_optimizer)
     monkeypatch.setattr(sys, "argv", ["train.py", "configs/tiny.yaml", *assets, "--sft.steps=0", "--train.threads=0",
                                       "--train.eval_every=0", "--train.sample_every=0", "--data.max_train_examples=16",
@@ -656,9 +656,8 @@ def test_load_splits_reports_both_files_at_once_and_skips_failing_golds(tmp_path
     """Data problems of both splits (a malformed line, a 0-byte database) in one error before the
     warm start; a gold that fails on its database is skipped and named; every gold failing is an
     error (the issue: a run whose golds all failed trained to the end, reward never 1)."""
-    import dataset
-    sys.path.insert(0, str(ROOT / "data"))
-    from prepare_toy import prepare_toy
+    from sqltask import dataset
+    from toy.prepare_toy import prepare_toy
     toy = tmp_path / "toy"
     prepare_toy(str(toy), seed=0)
     _, tok = tiny_model

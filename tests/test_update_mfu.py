@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-import packing
+from trainer import packing
 from model import ModelArgs, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import config as C  # noqa: E402
-import distributed  # noqa: E402
+from trainer import distributed  # noqa: E402
 from conftest import grpo_update  # noqa: E402
 from test_packing import make_model, make_trajs  # noqa: E402
 

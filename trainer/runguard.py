@@ -37,8 +37,8 @@ import time
 import weakref
 from pathlib import Path
 
-import config as C
-import dataset
+from trainer.config_loader import ConfigError
+from sqltask import dataset
 
 REPORT_WAIT_S = 20.0  # a rank > 0 with a user error waits this long for rank 0 to report it
 LOCK_NAME = "run.lock"
@@ -48,8 +48,8 @@ class RunError(Exception):
     """A user-facing stop with its own message: the out_dir is in use, rank 0 failed a check."""
 
 
-USER_ERRORS = (C.ConfigError, dataset.DatasetError, RunError)
-_PREFIX = {C.ConfigError: "config error", dataset.DatasetError: "data error", RunError: "error"}
+USER_ERRORS = (ConfigError, dataset.DatasetError, RunError)
+_PREFIX = {ConfigError: "config error", dataset.DatasetError: "data error", RunError: "error"}
 
 
 class Interrupted(BaseException):

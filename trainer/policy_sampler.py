@@ -2,8 +2,8 @@
 
     sampler = PolicySampler(model, sampling_cfg, dtype=torch.bfloat16)  # model: the trained one
     sampler.refresh(model)                     # after every optimizer step: weights copied in place
-    trajs = sampler.rollout(tok, examples, env_cfg, data_cfg, db_root, n=5, seed=step)
-    sampler = PolicySampler.from_pretrained(hf_folder, sampling_cfg, dtype=torch.bfloat16)   # eval.py
+    episodes = rollout.sample_episodes(sampler, tok, examples, cfg, n=5, seed=step)   # its model and engine
+    sampler = PolicySampler.for_model(Transformer.from_pretrained(hf_folder), sampling_cfg, dtype=...)  # eval.py
 
 The trained model is FSDP2-sharded (fp32 masters, maybe LoRA adapters); sampling on it would
 gather every unit for the rollout and rebuild the engine (KV pool, buffers, CUDA graphs) each
@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import torch
 
-import lora
-import rollout
-from distributed import fsdp_modules
 from engine.engine import Engine
 from engine.sampling import SamplingParams, StopChecker
-from model import Transformer
+from trainer import lora
+from trainer.distributed import fsdp_modules, unsharded_class
 
 
 class PolicySampler:
@@ -43,7 +41,7 @@ class PolicySampler:
         device = torch.device(device) if device is not None else _local(first).device
         dtype = dtype or first.dtype
         with torch.device("meta"):
-            copy = Transformer(model.config)
+            copy = unsharded_class(model)(model.config)  # model.Transformer, without FSDP2's hooks
         copy = copy.to_empty(device=device)
         if model.config.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
             copy.lm_head.weight = copy.embed_tokens.weight
@@ -54,11 +52,12 @@ class PolicySampler:
         self.refreshed = False
 
     @classmethod
-    def from_pretrained(cls, path, cfg, *, dtype: torch.dtype, device=None) -> "PolicySampler":
-        """The sampler of an HF folder's weights (eval.py generate: no trained model to copy from),
-        loaded straight into the inference model; refresh is then never needed."""
+    def for_model(cls, model, cfg, *, dtype: torch.dtype) -> "PolicySampler":
+        """The sampler of a plain model used as it is (eval.py generate: a checkpoint loaded straight
+        into the inference model, in the compute dtype; no trained model to copy from): refresh is
+        then never needed."""
         sampler = cls.__new__(cls)
-        sampler._keep(Transformer.from_pretrained(path, dtype=dtype, device=device), cfg, dtype)
+        sampler._keep(model, cfg, dtype)
         sampler.refreshed = True
         sampler._warm_up()
         return sampler
@@ -109,16 +108,6 @@ class PolicySampler:
         if not self.refreshed:
             self.refreshed = True
             self._warm_up()
-
-    def rollout(self, tokenizer, examples, env_cfg, data_cfg, db_root, *, sampling_cfg=None, n: int = 1,
-                seed: int = 0, greedy: bool = False, logits_hook=None, stats: dict | None = None):
-        """rollout.rollout on the inference copy through the kept engine. sampling_cfg: this
-        rollout's (e.g. an eval temperature; default the sampler's); same block size."""
-        if not self.refreshed:
-            raise RuntimeError("PolicySampler.rollout before refresh(model): the copy holds no weights")
-        return rollout.rollout(self.model, tokenizer, examples, env_cfg, sampling_cfg or self.cfg, data_cfg, db_root,
-                               n=n, seed=seed, greedy=greedy, logits_hook=logits_hook, stats=stats,
-                               engine=self.engine)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

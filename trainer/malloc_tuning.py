@@ -14,7 +14,7 @@ turn); an SFT step no faster (0.98x). train.py and eval.py call it on CPU runs o
 memory has its own allocator); the freed memory a process keeps for reuse is at most the trim
 threshold.
 
-    import malloc_tuning; malloc_tuning.keep_freed_memory()   # once, at the start of a process
+    from trainer import malloc_tuning; malloc_tuning.keep_freed_memory()   # once, at the start of a process
 
 Same as MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_TOP_PAD_=268435456
 in the environment. A no-op (returns False) off glibc (macOS, musl).

@@ -16,7 +16,7 @@ detected by identical prompt ids, not assumed from the order.
 
 Only loss tokens are scored: the LM head and log-softmax run on the positions whose next token
 is in the loss mask (the prompt's last position predicts the first token of each of the G
-responses, so it is listed G times). Who attends to whom inside a row is packed_attention.py's
+responses, so it is listed G times). Who attends to whom inside a row is trainer/packed_attention.py's
 (chosen by device); the FSDP2 rule that every rank runs as many passes is
 distributed.each_micro_batch's.
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-import packed_attention
+from trainer import packed_attention
 
 
 # -----------------------------------------------------------------------------

@@ -7,8 +7,8 @@ sampling.temperature -1: the sampler goes greedy while the trainer scores logits
 it loads a model; the error names every bad key at once, one line each. check_model_folder checks
 model.path (or eval.py's --model): config.json, a tokenizer, a chat template.
 
-    import config_checks
-    config_checks.validate(cfg, world=2)       # raises config.ConfigError listing every problem
+    from trainer import config_checks
+    config_checks.validate(cfg, world=2)       # raises ConfigError listing every problem
     python config.py configs/tiny.yaml         # prints the resolved config, checked (world 1)
 
 RANGES holds one rule per int/float key (tests/test_config_checks.py fails for a numeric key
@@ -22,7 +22,23 @@ import math
 import string
 from pathlib import Path
 
-import config as C
+from trainer.config_loader import ConfigError, all_keys
+
+# -----------------------------------------------------------------------------
+# model.lora_targets
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # what model.lora_targets may name
+
+
+def lora_targets(model_cfg) -> tuple[str, ...]:
+    """model.lora_targets parsed, in LORA_TARGETS order; ConfigError naming the key for an unknown
+    name or none (lora.LoraSpec and validate both read it through this)."""
+    names = [t.strip() for t in str(model_cfg.lora_targets).split(",") if t.strip()]
+    bad = [t for t in names if t not in LORA_TARGETS]
+    if bad or not names:
+        raise ConfigError(f"model.lora_targets: {bad or 'empty'} not in {list(LORA_TARGETS)} "
+                          f"(comma-separated, e.g. 'q,v' or 'q,k,v,o,gate,up,down')")
+    return tuple(t for t in LORA_TARGETS if t in names)
 
 # key -> the values it may take, and (optional) why, printed with the error
 RANGES: dict[str, tuple[str, str]] = {
@@ -93,6 +109,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "grpo.max_resample_rounds": (">= 0", ""),
     "grpo.ppo_epochs": (">= 1", ""),
     "grpo.mini_batches": (">= 1", ""),
+    "grpo.lookup_bonus": (">= 0", "a per-turn reward for a lookup that shows a value the answer needs"),
     "optim.lr": ("> 0", ""),
     "optim.weight_decay": (">= 0", ""),
     "optim.beta1": ("[0, 1)", ""),
@@ -160,9 +177,9 @@ def template_problem(text: str, allowed: set[str]) -> str:
     return f"names {', '.join(bad)}; only {', '.join('{' + a + '}' for a in sorted(allowed))} are filled in" if bad else ""
 
 
-def problems(cfg: C.Config, world: int = 1) -> list[str]:
+def problems(cfg, world: int = 1) -> list[str]:
     """Every problem of cfg, one line each, naming the key. world: the ranks that will run it."""
-    keys = C.all_keys(cfg)
+    keys = all_keys(cfg)
     out = []
     for key, (rule, why) in RANGES.items():
         v = keys[key]
@@ -201,21 +218,21 @@ def problems(cfg: C.Config, world: int = 1) -> list[str]:
             out.append(f"model.tiny_heads={m.tiny_heads} must be a multiple of model.tiny_kv_heads ({m.tiny_kv_heads})")
     if m.lora_rank > 0:
         try:
-            C.lora_targets(m)
-        except C.ConfigError as err:
+            lora_targets(m)
+        except ConfigError as err:
             out.append(str(err))
     if cfg.wandb.mode != "disabled" and not cfg.wandb.project.strip():
         out.append(f"wandb.project must not be empty with wandb.mode={cfg.wandb.mode}")
     return out
 
 
-def validate(cfg: C.Config, world: int = 1) -> C.Config:
+def validate(cfg, world: int = 1):
     """Raise config.ConfigError naming every bad key (one line each); return cfg when all are fine."""
     found = problems(cfg, world)
     if len(found) == 1:
-        raise C.ConfigError(found[0])
+        raise ConfigError(found[0])
     if found:
-        raise C.ConfigError(f"{len(found)} problems:\n  " + "\n  ".join(found))
+        raise ConfigError(f"{len(found)} problems:\n  " + "\n  ".join(found))
     return cfg
 
 
@@ -244,4 +261,4 @@ def model_folder_problem(path: str) -> str:
 def check_model_folder(path: str, key: str = "model.path"):
     """Raise config.ConfigError naming `key` when model_folder_problem finds something."""
     if problem := model_folder_problem(path):
-        raise C.ConfigError(f"{key} {path}: {problem}")
+        raise ConfigError(f"{key} {path}: {problem}")

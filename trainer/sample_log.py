@@ -24,18 +24,17 @@ COLUMNS = ["step", "question", "turns", "solution", "reward", "exec_match", "gol
 # rows
 
 
-def episode_row(step: int, traj, rw: dict, example: dict, tokenizer) -> dict:
-    """One sampled episode as a row. traj: rollout.Trajectory; rw: its reward.episode_rewards dict."""
+def episode_row(step: int, episode, tokenizer) -> dict:
+    """One sampled episode (rollout.Episode) as a row."""
+    traj, rw, example = episode.trajectory, episode.reward, episode.example
     turns = []
-    for k, (start, end) in enumerate(traj.turn_spans):
-        nxt = traj.turn_spans[k + 1][0] if k + 1 < len(traj.turn_spans) else len(traj.ids)
+    for k, turn in enumerate(traj.turn_texts(tokenizer)):
         # env steps run one per turn, in order; a turn the episode ended on without one has none
         sql = traj.steps[k]["arg"] if k < len(traj.steps) else ""
-        turns.append({"sql": sql, "observation": tokenizer.decode(traj.ids[end:nxt]).strip(),
-                      "text": tokenizer.decode(traj.ids[start:end])})
+        turns.append({"sql": sql, "observation": turn["observation"].strip(), "text": turn["text"]})
     return {"step": step, "question": example["question"], "turns": turns,
-            "solution": traj.final_sql if traj.finished else "", "reward": float(rw["reward"]),
-            "exec_match": bool(rw["exec_match"]), "gold": example["gold_sql"]}
+            "solution": traj.final_sql if traj.finished else "", "reward": float(rw.value),
+            "exec_match": bool(rw.exec_match), "gold": example["gold_sql"]}
 
 
 def pick(n_episodes: int, group_size: int, rows: int) -> list[int]:
@@ -60,8 +59,9 @@ class SampleLog:
     def __init__(self, out_dir: str, run=None):
         self.path, self.run, self.table_rows = Path(out_dir) / "samples.jsonl", run, []
 
-    def write(self, step: int, trajs, rws, exs, tokenizer, group_size: int, rows: int) -> list[dict]:
-        out = [episode_row(step, trajs[i], rws[i], exs[i], tokenizer) for i in pick(len(trajs), group_size, rows)]
+    def write(self, step: int, episodes, tokenizer, group_size: int, rows: int) -> list[dict]:
+        """Rows of up to `rows` episodes (rollout.Episode list, G per prompt in a row), appended."""
+        out = [episode_row(step, episodes[i], tokenizer) for i in pick(len(episodes), group_size, rows)]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as fh:
             for r in out:

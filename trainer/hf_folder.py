@@ -10,7 +10,8 @@ name mapping. Saving streams one shard at a time and replaces the files atomical
     model = Transformer.from_pretrained("runs/tiny/model", dtype=torch.bfloat16, device="cuda")  # hf_folder.load
     model.save_pretrained("out/hf", state_dict=None)                                            # hf_folder.save
 This file knows the folder format and HF's names; model.py knows the model (it imports this file,
-never the other way round: `load` gets the model built from the folder's config.json).
+never the other way round: `load` gets a function that builds the model from config.json's dict,
+and reads model.config, a model.ModelArgs, for the shapes).
 Tests: .venv/bin/pytest tests/test_model.py (round trips against transformers).
 """
 from __future__ import annotations
@@ -22,15 +23,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: model.py imports this module
-    from model import ModelArgs, Transformer
-
-
-def load(path, build, dtype=None, device=None) -> Transformer:
+def load(path, build, dtype=None, device=None):
     """The model of an HF folder; build(config.json's dict) -> the model (on the meta device here;
-    Transformer.from_pretrained passes its class and ModelArgs.from_hf); dtype: default the
+    Transformer.from_pretrained passes Transformer.from_hf_config); dtype: default the
     folder's (float32 when unspecified)."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
@@ -67,7 +63,7 @@ def load(path, build, dtype=None, device=None) -> Transformer:
     return model.eval()
 
 
-def save(model: Transformer, path, state_dict=None, max_shard_bytes: int = 4 << 30) -> None:
+def save(model, path, state_dict=None, max_shard_bytes: int = 4 << 30) -> None:
     """Write config.json + model.safetensors (sharded with an index above max_shard_bytes).
     state_dict: a full state dict in the model's names (e.g. from FSDP2's
     get_model_state_dict(full_state_dict=True)); default model.state_dict() (an unsharded model)."""
@@ -124,7 +120,7 @@ def _read_safetensors(path, dtype, device) -> dict:
     return out
 
 
-def from_hf(hf: dict, a: ModelArgs) -> dict:
+def from_hf(hf: dict, a) -> dict:
     """HF names -> ours (input already validated against the config)."""
     sd = {(k[6:] if k.startswith("model.") else k): v for k, v in hf.items()}
     for i in range(a.num_hidden_layers):
@@ -138,7 +134,7 @@ def from_hf(hf: dict, a: ModelArgs) -> dict:
     return sd
 
 
-def to_hf(sd: dict, a: ModelArgs):
+def to_hf(sd: dict, a):
     """Yield (hf_name, tensor); fused tensors are split into separate copies; tied lm_head dropped."""
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
     for k, t in sd.items():

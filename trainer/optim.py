@@ -14,7 +14,6 @@ import math
 
 import torch
 
-import config as C
 
 # -----------------------------------------------------------------------------
 
@@ -32,7 +31,7 @@ def lr_lambda(warmup: int, total: int, schedule: str = "constant", min_ratio: fl
     return f
 
 
-def make_optimizer(model, o: C.OptimConfig, lr: float, warmup: int, total: int):
+def make_optimizer(model, o, lr: float, warmup: int, total: int):
     """AdamW over the trainable (fp32 master) parameters + its LambdaLR schedule. Under LoRA only
     the adapters: the frozen base gets no moments and no weight decay."""
     # foreach: CPU's default is a per-parameter loop, ~3x slower on FSDP2's DTensors (~150 ms of
@@ -42,7 +41,7 @@ def make_optimizer(model, o: C.OptimConfig, lr: float, warmup: int, total: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total, o.schedule, o.min_lr_ratio))
 
 
-def step_optimizer(model, optimizer, scheduler, o: C.OptimConfig) -> float:
+def step_optimizer(model, optimizer, scheduler, o) -> float:
     """Clip to o.grad_clip, step unless the gradient norm is non-finite. Returns the norm before
     clipping (non-finite: the step was skipped). Gradients are freed afterwards (set to None) so
     they are not held through the next rollout."""

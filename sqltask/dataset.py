@@ -11,7 +11,7 @@ Every dataset (Spider, its variants, BIRD, SkyRL-SQL-653, the toy set) is conver
 script in data/, so train.py and eval.py read one thing. The database root is given at run time
 (DataConfig.db_root) so the same jsonl works wherever the databases live.
 
-    python dataset.py FILE.jsonl DB_ROOT      # validate a file, print counts per source / db
+    python -m sqltask.dataset FILE.jsonl DB_ROOT      # validate a file, print counts per source / db
 """
 from __future__ import annotations
 
@@ -218,12 +218,13 @@ def load_examples(path, db_root, limit=0) -> list[dict]:
 
 
 def gold_failures(examples: list[dict], reward_cfg) -> list[str]:
-    """Run every record's gold query on its database exactly as the reward will (reward.match_batch:
+    """Run every record's gold query on its database exactly as the reward will (exec_match.match_batch:
     the sandbox, reward.mode's rewriting, reward.timeout_s; the results stay in its gold cache) ->
-    per record "" or the error. A gold that fails would make every answer to its question wrong."""
-    import reward  # reward imports this module
-    verdicts = reward.match_batch([(ex["db_file"], "", ex["gold_sql"]) for ex in examples], reward_cfg.mode,
-                                  timeout_s=reward_cfg.timeout_s, keep_distinct=reward_cfg.keep_distinct)
+    per record "" or the error. A gold that fails would make every answer to its question wrong.
+    Over ranks: trainer.distributed.map_shared (each rank runs a share)."""
+    from sqltask import exec_match
+    verdicts = exec_match.match_batch([(ex["db_file"], "", ex["gold_sql"]) for ex in examples], reward_cfg.mode,
+                                      timeout_s=reward_cfg.timeout_s, keep_distinct=reward_cfg.keep_distinct)
     prefix = "gold failed: "  # match_batch's text for a gold that did not run
     return [err[len(prefix):] if err.startswith(prefix) else "" for _, err in verdicts]
 
@@ -243,7 +244,7 @@ def drop_failing_golds(examples: list[dict], errors: list[str], name: str) -> tu
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python dataset.py FILE.jsonl DB_ROOT")
+        sys.exit("usage: python -m sqltask.dataset FILE.jsonl DB_ROOT")
     try:
         ex = load_examples(sys.argv[1], sys.argv[2])
     except DatasetError as e:

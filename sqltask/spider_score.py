@@ -7,8 +7,20 @@
 Databases are <db_root>/<db_id>/<db_id>.sqlite; a missing one is skipped and counted. In spider
 mode each prediction line goes through the official evaluation.py's input handling
 (official_pred_text: stripped, cut at its first TAB, " value " -> " 1 "). The verdicts are
-reward.match_batch's, run in the read-only sandbox; eval.py's docstring lists where they may
-differ from the official test-suite evaluator's (none in the checked files).
+exec_match.match_batch's, run in the read-only sandbox. A database present but unusable (empty,
+not SQLite, unreadable, no tables: unusable_databases) skips its examples, named in the summary line.
+
+Agreement with the official test-suite evaluator (taoyds/test-suite-sql-eval, exec match, default
+settings): 972/972 per-example verdicts on the published Spider predictions tests/test_eval_score.py
+reads (spider_preds/ beside the Spider folder). Deliberate differences, none of which occurs in those files:
+- queries run in the read-only sandbox (sqltask/sandbox.py): a prediction that writes, attaches, etc. is an
+  error (the official script executes it against the database file);
+- each query has a timeout (--timeout, 30 s; the official one cannot interrupt a query), SQL text
+  is capped at 100 KB and results at 1e6 rows / 64 MB;
+- invalid UTF-8 in the database is decoded with replacement (official: dropped); both sides are
+  decoded the same way, so verdicts differ only if two texts differ by invalid bytes alone;
+- a blank prediction line is an empty (wrong) prediction at its position (the official script
+  treats blank lines as separators between interaction sessions).
 Tests: .venv/bin/pytest tests/test_eval_score.py
 """
 from __future__ import annotations
@@ -16,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 
-import reward
+from sqltask import dataset, exec_match
 
 def read_gold(path: str) -> list[tuple[str, str]]:
     out = []
@@ -51,7 +63,7 @@ def score(pred_lines: list[str], gold: list[tuple[str, str]], db_root: str, mode
             pred = official_pred_text(line) if mode == "spider" else line.strip()
             items.append((db, pred, g_sql))
             where.append(i)
-    verdicts = reward.match_batch(items, mode, timeout_s=timeout_s, keep_distinct=keep_distinct, workers=workers)
+    verdicts = exec_match.match_batch(items, mode, timeout_s=timeout_s, keep_distinct=keep_distinct, workers=workers)
     for i, (ok, err) in zip(where, verdicts):
         recs[i]["exec_match"], recs[i]["error"] = ok, (err or None)
     return recs
@@ -73,3 +85,14 @@ def compare_verdicts(recs: list[dict], path: str) -> tuple[int, int, list[int]]:
         if bool(v["exec_match"]) != r["exec_match"]:
             diff.append(r["index"])
     return n - len(diff), n, diff
+
+
+def unusable_databases(recs: list[dict], db_root: str) -> dict[str, str]:
+    """{db_id: what is wrong} for the databases present but not usable: an empty (0-byte) file, not
+    a SQLite file, unreadable, no tables. Their examples would all score wrong for a reason that is
+    no prediction's fault; `score` skips them and says why in its summary line."""
+    out = {}
+    for db_id in sorted({r["db_id"] for r in recs if not r["skipped"]}):
+        if problem := dataset.database_problem(os.path.join(db_root, db_id, db_id + ".sqlite")):
+            out[db_id] = problem
+    return out

@@ -5,7 +5,7 @@ One code path on every world size: without torchrun, setup_dist() builds a one-r
 in-process, and the model is always FSDP2-sharded (fp32 masters, model.dtype compute, fp32 grad
 reduce). CPU uses gloo, CUDA nccl (FSDP2 works on CPU; FSDP1 does not).
 
-    from distributed import close, compute_dtype, setup_dist, shard
+    from trainer.distributed import close, compute_dtype, setup_dist, shard
     rank, world, device = setup_dist(cfg.train.dist_timeout_s)   # torchrun or plain python
     model = shard(fp32_model, compute_dtype(cfg), cfg.model.fsdp_unit)  # FSDP2 units: model.fsdp_unit
     ...
@@ -29,8 +29,6 @@ import time
 import torch
 import torch.distributed as dist
 
-import config as C
-from model import Transformer
 
 # -----------------------------------------------------------------------------
 # process group
@@ -90,7 +88,7 @@ def close(drain_timeout_s: float = 10.0) -> None:
     dist.destroy_process_group()
 
 
-def compute_dtype(cfg: C.Config) -> torch.dtype:
+def compute_dtype(cfg) -> torch.dtype:
     """model.dtype is the compute dtype; master weights, gradients and AdamW states stay fp32."""
     return torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
 
@@ -110,6 +108,19 @@ def all_sum(values: list[float], device) -> list[float]:
     if dist.is_initialized():
         dist.all_reduce(t)
     return t.tolist()
+
+
+def map_shared(fn, items: list, rank: int, world: int) -> list:
+    """fn(items) -> one result per item, computed by the ranks together: each runs fn on its share
+    (every world-th item from its rank); the results are all-gathered, so every rank returns the
+    whole list, in item order (e.g. the data's gold check: each rank runs a share of the golds)."""
+    if world == 1:
+        return fn(items)
+    mine = list(range(rank, len(items), world))
+    out = [None] * len(items)
+    for i, result in all_gather_list(list(zip(mine, fn([items[i] for i in mine])))):
+        out[i] = result
+    return out
 
 
 def all_max(v: int, device) -> int:
@@ -132,7 +143,7 @@ def all_gather_list(xs: list) -> list:
 # FSDP2
 
 
-def shard(model: Transformer, dtype: torch.dtype, unit: str = "block"):
+def shard(model, dtype: torch.dtype, unit: str = "block"):
     """fully_shard the model on every world size (1 rank included): unit "block" makes each block
     its own FSDP2 unit, then the root (embeddings, final norm, lm_head); "model" makes the whole
     model one unit (config model.fsdp_unit says when each pays).
@@ -169,6 +180,13 @@ def fsdp_modules(model) -> list:
     """The FSDP2 units of a model, root first (empty when not sharded)."""
     from torch.distributed.fsdp import FSDPModule
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def unsharded_class(model) -> type:
+    """The model's own class: fully_shard swaps a sharded module's class for FSDP<Class>, a subclass
+    of (FSDPModule, Class); a plain model's is its type."""
+    from torch.distributed.fsdp import FSDPModule
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
 # -----------------------------------------------------------------------------
@@ -222,7 +240,7 @@ class PeakMemory:
         return out
 
 
-def memory_estimate(model: Transformer, cfg: C.Config, world: int) -> dict:
+def memory_estimate(model, cfg, world: int) -> dict:
     """GB per device of one rank's phases, for the FSDP2 layout used on every world size (one rank
     included). Call it before shard() (it reads the blocks) and, for a LoRA run, after lora.apply.
 

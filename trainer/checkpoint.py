@@ -37,9 +37,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-import config as C
-import lora
-import runguard
+from trainer import lora, runguard
+from trainer.config_loader import ConfigError, all_keys, dump, from_dict
 
 
 def _rank() -> int:
@@ -83,7 +82,7 @@ def full_model_state(model) -> dict:
     return get_model_state_dict(model, options=opts)
 
 
-def save(out_dir: str, step: int, model, optimizer, scheduler, tokenizer, cfg: C.Config, extra: dict,
+def save(out_dir: str, step: int, model, optimizer, scheduler, tokenizer, cfg, extra: dict,
          keep: int = 2, name: str = "") -> str | None:
     """Collective: every rank must call it. Returns the checkpoint path on rank 0. extra: plain
     types only (see the module docstring). name: the folder (replaced atomically; default
@@ -115,7 +114,7 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, tokenizer, cfg: C
             export_hf(model, msd, tmp / "hf", tokenizer)
         torch.save({"step": step, "optimizer": osd, "scheduler": scheduler.state_dict() if scheduler else None,
                     "rng": rngs, "extra": extra}, tmp / "trainer.pt")
-        (tmp / "config.yaml").write_text(C.dump(cfg))
+        (tmp / "config.yaml").write_text(dump(cfg))
         if tokenizer is not None:
             (tmp / "vocab_digest").write_text(vocab_digest(tokenizer) + "\n")
         shutil.rmtree(final, ignore_errors=True)
@@ -142,7 +141,7 @@ def adapter_full_state(model) -> dict:
     return out if _rank() == 0 else {}
 
 
-def lora_base_path(cfg: C.Config) -> str:
+def lora_base_path(cfg) -> str:
     """The frozen base a LoRA run adapts: model.path, or after an SFT warm start of the full
     model, the warm weights in <out_dir>/base (written once, before LoRA is applied)."""
     return str(Path(cfg.train.out_dir) / "base") if cfg.sft.steps > 0 else cfg.model.path
@@ -209,7 +208,7 @@ def load(path: str, model, optimizer, scheduler) -> dict:
         else:
             for f in sorted((Path(path) / "hf").glob("*.safetensors")):
                 sd.update(load_file(str(f)))
-            import hf_folder
+            from trainer import hf_folder
             sd = hf_folder.from_hf(sd, model.config)  # HF names -> ours (fused qkv / gate-up)
             if model.config.tie_word_embeddings:
                 sd["lm_head.weight"] = sd["embed_tokens.weight"]
@@ -280,21 +279,37 @@ def vocab_digest(tokenizer) -> str:
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
-def check_resumable(ck: str, cfg: C.Config, tokenizer=None):
+# keys a resumed run may change: length, cadence, output, logging and the FSDP2 unit layout (the same
+# shards either way), never the recipe
+RESUMABLE_KEYS = {"train.steps", "train.log_every", "train.sample_every", "train.sample_rows", "train.eval_every",
+                  "train.save_every",
+                  "train.keep_checkpoints", "train.resume", "train.out_dir", "train.threads",
+                  "train.dist_timeout_s", "train.max_bad_steps", "wandb.mode", "wandb.project", "wandb.name",
+                  "model.build_tiny", "data.prepare_toy", "env.workers", "model.lora_save_merged",
+                  "model.fsdp_unit", "sft.save_every"}
+
+
+def changed_keys(saved, current) -> list[str]:
+    """Keys whose values differ between a checkpoint's config and this run's, minus RESUMABLE_KEYS."""
+    a, b = all_keys(saved), all_keys(current)
+    return [k for k in a if a[k] != b[k] and k not in RESUMABLE_KEYS]
+
+
+def check_resumable(ck: str, cfg, tokenizer=None):
     """Refuse to continue a checkpoint trained under another recipe (a silent mix of two runs),
-    unless --train.resume=force. Only C.RESUMABLE_KEYS (length, cadence, logging) may change.
+    unless --train.resume=force. Only RESUMABLE_KEYS (length, cadence, logging) may change.
     tokenizer: the run's; a checkpoint saved with another vocabulary is refused too (its weights
     index other tokens: e.g. the tiny model at model.path was built again on a new corpus while
     the out_dir kept the old run's checkpoints, under an unchanged config)."""
     stamp = Path(ck) / "vocab_digest"
     if tokenizer is not None and stamp.exists() and cfg.train.resume != "force":
         if stamp.read_text().strip() != vocab_digest(tokenizer):
-            raise C.ConfigError(f"{ck} was trained with another tokenizer than {cfg.model.path}'s (another "
-                                "vocabulary): use another train.out_dir, or --train.resume=force to continue anyway")
-    saved = C.from_dict(yaml.safe_load((Path(ck) / "config.yaml").read_text()))
-    diff = C.changed_keys(saved, cfg)
+            raise ConfigError(f"{ck} was trained with another tokenizer than {cfg.model.path}'s (another "
+                              "vocabulary): use another train.out_dir, or --train.resume=force to continue anyway")
+    saved = from_dict(type(cfg)(), yaml.safe_load((Path(ck) / "config.yaml").read_text()))  # over the defaults
+    diff = changed_keys(saved, cfg)
     if diff and cfg.train.resume != "force":
-        a, b = C.all_keys(saved), C.all_keys(cfg)
+        a, b = all_keys(saved), all_keys(cfg)
         lines = "\n".join(f"  {k}: {a[k]!r} (checkpoint) -> {b[k]!r} (now)" for k in diff)
-        raise C.ConfigError(f"{ck} was trained with a different config:\n{lines}\n"
-                            "use another train.out_dir, or --train.resume=force to continue anyway")
+        raise ConfigError(f"{ck} was trained with a different config:\n{lines}\n"
+                          "use another train.out_dir, or --train.resume=force to continue anyway")

@@ -1,4 +1,4 @@
-"""Schema families, value pools and the database builder of the toy set (data/prepare_toy.py).
+"""Schema families, value pools and the database builder of the toy set (toy/prepare_toy.py).
 
 Every family has a parent table and a child table (child.fk -> parent.id), and every table gives
 its columns a role the question templates use:
@@ -18,7 +18,7 @@ it does. Every code has a twin in its column, stored on other rows: the same pre
 A lookup shows both, and the code is the one whose word is followed by a digit; an answer that
 matches the word with a LIKE pattern instead of copying the code ('%Paris%', 'Paris%', 'Paris__')
 matches the twin's rows too, so only reading the lookup answers the question.
-Not run directly: `python data/prepare_toy.py --out DIR` uses it.
+Not run directly: `python -m toy.prepare_toy --out DIR` uses it.
 """
 import datetime
 import os

@@ -1,10 +1,10 @@
 """The toy text-to-SQL set: the data of the embedded default (a tiny model learns it in minutes).
 
-    python data/prepare_toy.py --out runs/toy [--seed 0]
+    python -m toy.prepare_toy --out runs/toy [--seed 0]
 
 Writes, under --out:
-    database/<db_id>/<db_id>.sqlite   130 small databases: 5 schema families x 26 (data/toy_schemas.py)
-    train.jsonl                       ~2000 questions on 120 databases (canonical records, dataset.py)
+    database/<db_id>/<db_id>.sqlite   130 small databases: 5 schema families x 26 (toy/schemas.py)
+    train.jsonl                       ~2000 questions on 120 databases (canonical records, sqltask/dataset.py)
     eval.jsonl                        600 questions on the 10 held-out databases (two per family)
 Records' db_path is relative to --out. Each record also carries `template` (for per-template EX).
 
@@ -14,7 +14,7 @@ unseen identifiers. Gold SQL is short and canonical (uppercase keywords, single 
 Two kinds of question, mixed (~74% need the tool):
   direct     every literal of the gold appears verbatim in the question (the model copies it);
   tool       the question names a category as people say it ("Paris", "pending") but the database
-             stores a code ('Paris4k', 'pending7c': a digit and a letter drawn per database, toy_schemas.py)
+             stores a code ('Paris4k', 'pending7c': a digit and a letter drawn per database, toy/schemas.py)
              beside the code's twin ('Paris_N', 'pending_S': the word followed by letters), and the
              prompt shows no values. The record's `lookup_sql` (SELECT DISTINCT city FROM customers
              WHERE city LIKE 'Paris%') returns the code and its twin; the code is the one whose word
@@ -24,7 +24,7 @@ Two kinds of question, mixed (~74% need the tool):
              LIKE pattern ('%Paris%') matches the twin's rows too, so it is wrong (wildcard_shares:
              no tool question is answered by any pattern on the word alone).
   refine     a tool question on the column a database stores behind a prefix ('st_pending7c',
-             toy_schemas.code_prefix; one of the two category columns of every database): the
+             schemas.code_prefix; one of the two category columns of every database): the
              natural lookup (LIKE 'pending%', the record's `first_lookup_sql`) returns no rows,
              and only a broader one (LIKE '%pending%', its `lookup_sql`) shows the code and its
              twin ('st_pending_S'). Nothing in the prompt says which column is prefixed: the policy
@@ -52,10 +52,8 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: dataset.py
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # toy_schemas.py
-from dataset import make_record, write_jsonl  # noqa: E402
-from toy_schemas import FAMILIES, encode_categories, make_rows, write_db  # noqa: E402
+from sqltask.dataset import make_record, write_jsonl
+from toy.schemas import FAMILIES, encode_categories, make_rows, write_db
 
 # 'Paris4k' -> ('Paris', '4k'), 'ci_Paris4k' -> ('Paris', '4k'); a twin ('Paris_N') does not match
 CODE = re.compile(r"(?:[a-z]{2}_)?([A-Za-z]+)(\d[a-z])")
@@ -508,7 +506,7 @@ def questions(rng: random.Random, fam: dict, rows: dict, names: dict, n: int,
 def twin_changes_answer(con, gold_sql: str, names: dict) -> bool:
     """Whether a tool question's gold returns other rows once the code's twin is let in
     (`city = 'Paris4k'` -> `city IN ('Paris4k', 'Paris_N')`). Every LIKE pattern on the word alone
-    that matches the code matches the twin too (toy_schemas.twin_of), so where the twin's rows change
+    that matches the code matches the twin too (schemas.twin_of), so where the twin's rows change
     nothing (a MAX the code's rows hold, labels its rows repeat) such a pattern would answer the
     question without the lookup: those questions are drawn again."""
     code = the_code(gold_sql)

@@ -14,14 +14,14 @@ import os
 import time
 from pathlib import Path
 
-import config as C
-import samples
-from distributed import PeakMemory
+from trainer.config_loader import to_dict
+from trainer import sample_log
+from trainer.distributed import PeakMemory
 
 class Log:
     """Rank-0 prints, <out_dir>/metrics.jsonl and wandb (online/offline/disabled)."""
 
-    def __init__(self, cfg: C.Config, rank: int):
+    def __init__(self, cfg, rank: int):
         self.rank, self.run = rank, None
         if rank != 0:
             return
@@ -30,8 +30,8 @@ class Log:
         if cfg.wandb.mode != "disabled":
             import wandb
             self.run = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or None, mode=cfg.wandb.mode,
-                                  config=C.to_dict(cfg), dir=cfg.train.out_dir)
-        self.sample_log = samples.SampleLog(cfg.train.out_dir, self.run)  # samples.jsonl (+ wandb table)
+                                  config=to_dict(cfg), dir=cfg.train.out_dir)
+        self.sample_log = sample_log.SampleLog(cfg.train.out_dir, self.run)  # samples.jsonl (+ wandb table)
 
     def print(self, *a):
         if self.rank == 0:
@@ -44,6 +44,18 @@ class Log:
         self.f.flush()
         if self.run is not None:
             self.run.log(m, step=step)
+
+    def samples(self, step: int, episodes: list, tokenizer, group_size: int, rows: int, show: int = 2):
+        """Rank 0's sampled episodes (rollout.Episode list): the first `show` printed in full with their
+        reward and the gold; up to `rows` (one per prompt) to samples.jsonl and the wandb table `samples`."""
+        if self.rank != 0:
+            return
+        for e in episodes[:show]:
+            t, r = e.trajectory, e.reward
+            self.print(f"--- sample (reward {r.value:+.2f}, exec {r.exec_match}, stop {t.stop_reason}, "
+                       f"turns {t.num_turns}, tool calls {t.num_tool_calls}) "
+                       f"Q: {e.example['question']}\n{t.text}\n--- gold: {e.example['gold_sql']}")
+        self.sample_log.write(step, episodes, tokenizer, group_size, rows)
 
     def sizes(self) -> dict:
         """Bytes written so far to metrics.jsonl and samples.jsonl (rank 0; {} elsewhere): a

@@ -1,7 +1,7 @@
 """Schema text and prompt templates: what the model sees before its first turn.
 
-    python prompts.py DB.sqlite [--samples 3] [--max-tokens 500]     # print a schema and what was cut
-    python prompts.py --jsonl FILE --db-root DIR [--template compact] [--protocol tags] [-n 1]
+    python -m sqltask.prompts DB.sqlite [--samples 3] [--max-tokens 500]     # print a schema and what was cut
+    python -m sqltask.prompts --jsonl FILE --db-root DIR [--template compact] [--protocol tags] [-n 1]
 
 - schema_ddl(db_file, ...) -> (CREATE TABLE text, info): read from the database itself (sqlite_master
   + PRAGMA table_info / foreign_key_list), types, primary and foreign keys, optionally OmniSQL-style
@@ -22,6 +22,7 @@ import os
 import re
 import sqlite3
 import time
+import types
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
@@ -329,7 +330,7 @@ def schema_ddl(db_file, sample_values=0, max_tokens=None, count_tokens=None) -> 
 
 def build_prompt(example: dict, db_root, cfg, protocol: str = "tags", count_tokens=None):
     """(messages, info) for one canonical record. cfg: config.DataConfig. info: schema_text's."""
-    import dataset
+    from sqltask import dataset
     db_file = dataset.abs_db_path(example, db_root)
     evidence = (example.get("evidence") or "").strip()
     q = example["question"]
@@ -373,7 +374,7 @@ def main():
     ap = argparse.ArgumentParser(description="print a schema or rendered prompts")
     ap.add_argument("db", nargs="?")
     ap.add_argument("--samples", type=int, default=0)
-    ap.add_argument("--max-tokens", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=0, help="schema budget (default: none; --jsonl: 4000)")
     ap.add_argument("--style", default="ddl", choices=["ddl", "compact"])
     ap.add_argument("--jsonl")
     ap.add_argument("--db-root", default=".")
@@ -381,10 +382,9 @@ def main():
     ap.add_argument("--protocol", default="tags", choices=["tags", "actions"])
     ap.add_argument("-n", type=int, default=1)
     a = ap.parse_args()
-    if a.jsonl:
-        from config import DataConfig
-        cfg = DataConfig(prompt_template=a.template, schema_sample_values=a.samples,
-                         schema_max_tokens=a.max_tokens or DataConfig.schema_max_tokens)
+    if a.jsonl:  # build_prompt reads these three keys of config.DataConfig (4000: its default budget)
+        cfg = types.SimpleNamespace(prompt_template=a.template, schema_sample_values=a.samples,
+                                    schema_max_tokens=a.max_tokens or 4000)
         with open(a.jsonl) as fh:
             for line, _ in zip(fh, range(a.n)):
                 msgs, info = build_prompt(json.loads(line), a.db_root, cfg, a.protocol)

@@ -1,4 +1,4 @@
-"""Attention over packed rows (packing.py): a response attends to its unit's prompt and to
+"""Attention over packed rows (trainer/packing.py): a response attends to its unit's prompt and to
 itself, never to its siblings or other units; a lone sequence is plainly causal.
 
 The implementation is chosen by device, once per micro-batch (`for_rows`); the model calls

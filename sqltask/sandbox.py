@@ -9,7 +9,7 @@ worker past timeout + KILL_MARGIN_S (a single long opcode the progress handler c
 killed and replaced. run_sql also goes through the pool (~0.15 ms a query) for that reason.
 Workers import only this module (no torch, no yaml).
 
-    from sandbox import run_sql, run_sql_batch
+    from sqltask.sandbox import run_sql, run_sql_batch
     r = run_sql("db.sqlite", "SELECT count(*) FROM t", timeout_s=5.0)  # -> SqlResult
 
 env.py builds the tool protocol on top of this. Tests: .venv/bin/pytest tests/test_env.py
@@ -227,7 +227,7 @@ def _worker_main(conn, mem_mb: int) -> None:
 
 class _Worker:
     def __init__(self, ctx, mem_mb):
-        import sandbox  # the target must be picklable by name even if this is __main__
+        from sqltask import sandbox  # the target must be picklable by name even if this is __main__
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=sandbox._worker_main, args=(child, mem_mb), daemon=True)
         # spawn re-imports the parent's __main__ in each child (train.py would pull torch into every

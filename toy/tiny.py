@@ -1,9 +1,12 @@
-"""Tiny offline fixtures: a byte-level BPE tokenizer (Qwen-style) and a random model as HF folders.
+"""Tiny offline assets: a byte-level BPE tokenizer (Qwen-style) and a random model as HF folders, and
+a toy run's data and tiny model built when absent (prepare_assets).
 
 No network. Tests and the embedded default config use these instead of a real checkpoint.
 
-    python tiny.py --out runs/tiny/model                        # built-in SQL-flavoured corpus
-    python tiny.py --out DIR --corpus data.jsonl --family qwen3 --vocab-size 2048 --layers 4
+    tiny.prepare_assets(cfg, model.Transformer, sft.gold_texts)     # train.py: the toy set + tiny model
+    tiny.build_tiny(model.Transformer, "DIR", texts, vocab_size=1024, family="qwen3", layers=4)
+The model class and the warm start's texts come from the caller (this package imports nothing from
+the top-level files): the tokenizer is trained on the run's own text, gold observations included.
 
 The tokenizer is trained with Qwen2's own pre-tokenizer (NFC + Qwen's regex split + ByteLevel
 without its regex): for a folder whose config says qwen2, AutoTokenizer returns Qwen2Tokenizer,
@@ -14,7 +17,6 @@ Tests: .venv/bin/pytest tests/test_tiny.py
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -23,8 +25,7 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-import config as C
-from model import ModelArgs, Transformer
+from trainer.config_loader import ConfigError
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
@@ -90,23 +91,6 @@ def default_corpus(n: int = 120, seed: int = 0) -> list[str]:
     return out
 
 
-def read_corpus(path: str) -> list[str]:
-    """A .jsonl file (every string value of every record) or a plain text file (one per line)."""
-    def strings(x):
-        if isinstance(x, str):
-            yield x
-        elif isinstance(x, dict):
-            for v in x.values():
-                yield from strings(v)
-        elif isinstance(x, list):
-            for v in x:
-                yield from strings(v)
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".jsonl"):
-            return [s for line in f if line.strip() for s in strings(json.loads(line))]
-        return [line for line in f if line.strip()]
-
-
 # -----------------------------------------------------------------------------
 # tokenizer
 
@@ -144,12 +128,13 @@ def build_tiny_tokenizer(out_dir, texts=None, vocab_size: int = 1024) -> Tokeniz
 # model
 
 
-def build_tiny_model(out_dir, family: str = "qwen2", vocab_size: int = 1024, hidden_size: int = 64,
+def build_tiny_model(model_class, out_dir, family: str = "qwen2", vocab_size: int = 1024, hidden_size: int = 64,
                      layers: int = 2, heads: int = 4, kv_heads: int = 2, intermediate_size: int | None = None,
                      tie: bool = True, seed: int = 0, head_dim: int | None = None,
                      rope_scaling: dict | None = None, rope_theta: float = 10000.0,
-                     extra_config: dict | None = None) -> Transformer:
-    """Random model (weights and biases N(0, 0.02) from `seed`, norms 1) saved as an HF folder."""
+                     extra_config: dict | None = None):
+    """Random model (weights and biases N(0, 0.02) from `seed`, norms 1) saved as an HF folder.
+    model_class: model.Transformer (its from_hf_config builds the architecture of a config.json)."""
     cfg = {"model_type": family, "vocab_size": vocab_size, "hidden_size": hidden_size,
            "intermediate_size": intermediate_size or 3 * hidden_size, "num_hidden_layers": layers,
            "num_attention_heads": heads, "num_key_value_heads": kv_heads,
@@ -158,7 +143,7 @@ def build_tiny_model(out_dir, family: str = "qwen2", vocab_size: int = 1024, hid
            "max_position_embeddings": 32768, "attention_dropout": 0.0, **(extra_config or {})}
     if family == "qwen2":
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
-    model = Transformer(ModelArgs.from_hf(cfg))
+    model = model_class.from_hf_config(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied weight listed once; order is fixed
@@ -170,12 +155,13 @@ def build_tiny_model(out_dir, family: str = "qwen2", vocab_size: int = 1024, hid
     return model.eval()
 
 
-def build_tiny(out_dir, texts=None, vocab_size: int = 1024, **model_kw) -> str:
-    """Tokenizer + model in one folder (model vocab >= tokenizer vocab, like real Qwen)."""
+def build_tiny(model_class, out_dir, texts=None, vocab_size: int = 1024, **model_kw) -> str:
+    """Tokenizer + model in one folder (model vocab >= tokenizer vocab, like real Qwen); model_class:
+    model.Transformer."""
     tok = build_tiny_tokenizer(out_dir, texts, vocab_size)
     ids = {k: tok.token_to_id(v) for k, v in (("eos_token_id", EOS), ("pad_token_id", PAD))}
     extra = {**ids, "bos_token_id": None, **model_kw.pop("extra_config", {})}
-    build_tiny_model(out_dir, vocab_size=max(vocab_size, tok.get_vocab_size()), extra_config=extra,
+    build_tiny_model(model_class, out_dir, vocab_size=max(vocab_size, tok.get_vocab_size()), extra_config=extra,
                      **model_kw)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": ids["eos_token_id"], "pad_token_id": ids["pad_token_id"]}, f)
@@ -189,16 +175,14 @@ def build_tiny(out_dir, texts=None, vocab_size: int = 1024, **model_kw) -> str:
 def prepare_toy_set(data_cfg) -> bool:
     """Build the toy set at data_cfg.db_root when data.prepare_toy asks and it is absent or from an
     older prepare_toy.py (its toy_version stamp). Returns whether it was built now."""
-    import sys
-    sys.path.insert(0, str(Path(__file__).parent / "data"))
-    from prepare_toy import TOY_VERSION, prepare_toy
+    from toy.prepare_toy import TOY_VERSION, prepare_toy
     if not data_cfg.prepare_toy:
         return False
     toy_stamp = Path(data_cfg.db_root) / "toy_version"
     stale = Path(data_cfg.train_path).exists() and (
         not toy_stamp.exists() or toy_stamp.read_text().strip() != str(TOY_VERSION))
     if stale and not _is_toy_set(data_cfg.train_path):
-        raise C.ConfigError(f"data.prepare_toy is true but {data_cfg.train_path} is not a toy set (its records' "
+        raise ConfigError(f"data.prepare_toy is true but {data_cfg.train_path} is not a toy set (its records' "
                          f"source is not 'toy'): set data.prepare_toy false to train on it")
     if not stale and Path(data_cfg.train_path).exists():
         return False
@@ -218,17 +202,19 @@ def tiny_stamp(toy_version: int) -> str:
     return f"{toy_version} corpus {CORPUS_VERSION}"
 
 
-def prepare_assets(cfg):
+def prepare_assets(cfg, model_class, gold_texts):
     """Rank 0 of a run (cfg: config.Config): build the toy data and the tiny model if the config asks
     (data.prepare_toy, model.build_tiny) and they are absent, or stamped with another toy version
-    (the model: or another tokenizer corpus, tiny_stamp)."""
+    (the model: or another tokenizer corpus, tiny_stamp). model_class: model.Transformer;
+    gold_texts(examples, cfg, db_paths): the warm start's gold turns and observations as texts
+    (sft.gold_texts), part of the tiny tokenizer's corpus (tokenizer_corpus)."""
     # A toy set from an older prepare_toy.py (its layout or codes changed since) is built again, and
     # so is a tiny model whose tokenizer was trained on it: the README's figures are for the current
     # set, and an old one silently gives others. Only what this code built is replaced: a toy folder
     # whose records say source "toy", a model folder carrying the toy_version stamp build_tiny
     # writes. A checkpoint's hf/ folder has no stamp and is never touched (its weights are a run's).
     rebuilt = prepare_toy_set(cfg.data)
-    from prepare_toy import TOY_VERSION  # data/ is on sys.path once prepare_toy_set ran
+    from toy.prepare_toy import TOY_VERSION
     model_stamp = Path(cfg.model.path) / "toy_version"
     if cfg.data.prepare_toy and cfg.model.build_tiny and (Path(cfg.model.path) / "config.json").exists():
         if model_stamp.exists() and (rebuilt or model_stamp.read_text().strip() != tiny_stamp(TOY_VERSION)):
@@ -244,13 +230,13 @@ def prepare_assets(cfg):
                   f"stamps): used as it is; delete it to build a tiny model on the toy set just built", flush=True)
     if not (Path(cfg.model.path) / "config.json").exists():
         if not cfg.model.build_tiny:
-            raise C.ConfigError(f"model.path {cfg.model.path} has no config.json (and model.build_tiny is false)")
+            raise ConfigError(f"model.path {cfg.model.path} has no config.json (and model.build_tiny is false)")
         m = cfg.model
-        texts = tokenizer_corpus(cfg)
+        texts = tokenizer_corpus(cfg, gold_texts)
         print(f"building a tiny {m.tiny_family} model + tokenizer in {m.path}", flush=True)
-        build_tiny(m.path, texts, vocab_size=m.tiny_vocab_size, family=m.tiny_family,
-                        hidden_size=m.tiny_hidden_size, layers=m.tiny_layers, heads=m.tiny_heads,
-                        kv_heads=m.tiny_kv_heads, intermediate_size=m.tiny_intermediate_size, seed=cfg.train.seed)
+        build_tiny(model_class, m.path, texts, vocab_size=m.tiny_vocab_size, family=m.tiny_family,
+                   hidden_size=m.tiny_hidden_size, layers=m.tiny_layers, heads=m.tiny_heads,
+                   kv_heads=m.tiny_kv_heads, intermediate_size=m.tiny_intermediate_size, seed=cfg.train.seed)
         if cfg.data.prepare_toy:  # its tokenizer was trained on this toy set
             model_stamp.write_text(f"{tiny_stamp(TOY_VERSION)}\n")
 
@@ -268,7 +254,7 @@ def shape_differences(m) -> list[str]:
 
 
 def _is_toy_set(train_path) -> bool:
-    """Whether a records file was written by data/prepare_toy.py (its first record's source)."""
+    """Whether a records file was written by toy/prepare_toy.py (its first record's source)."""
     import json
     with open(train_path) as fh:
         first = fh.readline()
@@ -278,17 +264,15 @@ def _is_toy_set(train_path) -> bool:
         return False
 
 
-def tokenizer_corpus(cfg) -> list[str]:
+def tokenizer_corpus(cfg, gold_texts) -> list[str]:
     """Text the tiny tokenizer is trained on: rendered prompts, gold SQL, the protocol strings, and
     the warm start's gold turns with their observations. Without them the tags protocol's reminder
     ('<reminder>You have 2 turns left to complete the task.</reminder>') cost 30 tokens and the
     observations 107k of the toy warm start's 327k tokens; trained on them: 14, and 56k of 277k."""
-    import dataset
-    import prompts
-    import gold
+    from sqltask import dataset, prompts
     exs = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
     # the warm start's own turns and observations (the reminder; DESCRIBE's tables in the actions protocol)
-    texts = gold.gold_texts(exs, cfg, [dataset.abs_db_path(ex, cfg.data.db_root) for ex in exs])
+    texts = gold_texts(exs, cfg, [dataset.abs_db_path(ex, cfg.data.db_root) for ex in exs])
     for ex in exs:
         for msg in prompts.build_messages(ex, cfg.data.db_root, cfg.data, cfg.env.protocol):
             texts.append(msg["content"])
@@ -298,30 +282,3 @@ def tokenizer_corpus(cfg) -> list[str]:
                 texts.append(f"<sql>{look}</sql>")
         texts.append(f"<solution>{ex['gold_sql']}</solution>")
     return texts
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--corpus", help="text or .jsonl file; default: built-in SQL corpus")
-    ap.add_argument("--family", default="qwen2", choices=["qwen2", "qwen3", "llama"])
-    ap.add_argument("--vocab-size", type=int, default=1024)
-    ap.add_argument("--hidden-size", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--intermediate-size", type=int, default=None)
-    ap.add_argument("--head-dim", type=int, default=None)
-    ap.add_argument("--untied", action="store_true", help="separate lm_head")
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    texts = read_corpus(a.corpus) if a.corpus else None
-    build_tiny(a.out, texts, a.vocab_size, family=a.family, hidden_size=a.hidden_size,
-               layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
-               intermediate_size=a.intermediate_size, head_dim=a.head_dim, tie=not a.untied,
-               seed=a.seed)
-    print(f"tiny {a.family} model + tokenizer written to {a.out}")
-
-
-if __name__ == "__main__":
-    main()

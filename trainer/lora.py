@@ -10,7 +10,7 @@ carry one adapter pair per part (q, k, v; gate, up), and the parts' outputs are 
 along the output like the fused weight's rows. That is exactly PEFT's LoRA on the separate HF
 modules, so an adapter saved here loads into `peft.PeftModel` on the HF model (and back).
 
-    import lora
+    from trainer import lora
     model = Transformer.from_pretrained(path)
     lora.apply(model, cfg.model)                 # cfg.model.lora_rank > 0; only adapters train
     lora.save_adapter(model, "ckpt/adapter", base_path=path)   # adapter_config.json + safetensors
@@ -21,7 +21,7 @@ Rollouts sample merged weights: policy_sampler.PolicySampler.refresh writes merg
 layer.delta_weight()) = W + scale B A into its inference copy (plain matmuls for decoding); the
 trained model itself always keeps W and its adapters apart.
 
-    python lora.py configs/skyrl_sql_7b_lora.yaml   # per-device memory of LoRA vs full fine-tune
+    python bench/lora_memory.py configs/skyrl_sql_7b_lora.yaml   # per-device memory of LoRA vs full fine-tune
 
 Tests: .venv/bin/pytest tests/test_lora.py -q (PEFT parity when peft is installed).
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +37,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-import config as C
+from trainer.config_checks import LORA_TARGETS, lora_targets
 
-TARGETS = C.LORA_TARGETS  # q, k, v, o, gate, up, down
+TARGETS = LORA_TARGETS  # q, k, v, o, gate, up, down
 HF_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
              "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
              "down": "mlp.down_proj"}
@@ -65,7 +64,7 @@ class LoraSpec:
     @classmethod
     def from_config(cls, model_cfg) -> "LoraSpec":
         """From config.ModelConfig's lora_* keys, with errors naming the key."""
-        targets = C.lora_targets(model_cfg)
+        targets = lora_targets(model_cfg)
         if model_cfg.lora_rank <= 0:
             raise ValueError(f"model.lora_rank must be > 0 for LoRA, got {model_cfg.lora_rank}")
         if model_cfg.lora_alpha <= 0:
@@ -187,7 +186,7 @@ def adapter_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 # -----------------------------------------------------------------------------
-# merging: the one formula, for the sampler's weights (policy_sampler.py) and merged HF exports
+# merging: the one formula, for the sampler's weights (trainer/policy_sampler.py) and merged HF exports
 
 
 def part_delta(parts, lora_A, lora_B, scaling: float, in_features: int, device) -> torch.Tensor:
@@ -306,38 +305,3 @@ def load_adapter(model, folder):
     params = dict(model.named_parameters())
     for k, v in sd.items():
         params[k].copy_(v)
-
-
-# -----------------------------------------------------------------------------
-# memory
-
-
-def main(argv=None):
-    """Print the per-device memory of a config's LoRA run next to its full fine-tune."""
-    import distributed
-    from model import ModelArgs, Transformer
-    argv = list(sys.argv[1:] if argv is None else argv)
-    worlds = [int(a.split("=", 1)[1]) for a in argv if a.startswith("--world=")] or [1, 2, 4, 8]
-    cfg = C.load_config([a for a in argv if not a.startswith("--world=")])
-    path = os.path.join(cfg.model.path, "config.json")
-    if not os.path.isfile(path):
-        sys.exit(f"error: {path} not found: model.path must be a local HF folder (only config.json is read)")
-    with open(path) as f, torch.device("meta"):
-        model = Transformer(ModelArgs.from_hf(json.load(f)))
-    # one estimate for both layouts (distributed.memory_estimate): frozen parameters count once in
-    # the compute dtype with no grads or AdamW moments, so the same call after apply() is LoRA's
-    full_by_world = {w: distributed.memory_estimate(model, cfg, w) for w in worlds}  # before LoRA
-    spec = apply(model, cfg.model)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    print(f"LoRA rank {spec.rank}, alpha {spec.alpha:g}, targets {','.join(spec.targets)}")
-    for world, full in full_by_world.items():
-        lo = distributed.memory_estimate(model, cfg, world)
-        print(f"world {world}: full fine-tune {full['total']:.1f} GB/device, LoRA {lo['total']:.1f} GB/device "
-              f"(weights+grads+adam {lo['params'] + lo['grads'] + lo['adam']:.1f} vs "
-              f"{full['params'] + full['grads'] + full['adam']:.1f}; trainable {trainable / 1e6:.1f}M "
-              f"of {total / 1e9:.2f}B)")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,19 @@
+"""The trainer's plumbing, used by train.py, sft.py and eval.py (it imports nothing from the top-level files).
+
+    policy_update.py      the update of a batch: LossInputs per micro-batch, the loss's backward, optimizer steps
+    packing.py            a prompt and its G responses packed into padding-free rows; logprobs of loss tokens
+    packed_attention.py   who attends to whom inside a packed row (CPU: per-sequence SDPA; CUDA: FlexAttention)
+    distributed.py        process group, FSDP2 sharding, collectives, the per-device memory estimate
+    optim.py              AdamW, the learning-rate schedule, the clipped step
+    checkpoint.py         atomic, world-size independent checkpoints that resume exactly
+    hf_folder.py          Hugging Face model folders: load and save (model.py's fused names <-> HF's)
+    lora.py               LoRA adapters (merged for rollouts), saved in PEFT's format
+    policy_sampler.py     the run's inference copy of the policy and its kept engine; the weight sync (refresh)
+    rollout_correction.py sampler-vs-trainer logprob mismatch: metrics and importance corrections
+    config_checks.py      every config value's range and the keys that must agree, checked before a run
+    run_log.py            rank-0 prints, metrics.jsonl, wandb; seconds per phase of a step
+    sample_log.py         sampled episodes to samples.jsonl and the wandb table `samples`
+    runguard.py           one run per out_dir, Ctrl-C at a step boundary, one line per user error
+    config_loader.py      YAML + --key=value applied to config.py's dataclasses, type-checked; ConfigError
+    malloc_tuning.py      CPU runs: glibc keeps freed memory for reuse
+"""
