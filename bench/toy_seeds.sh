@@ -10,17 +10,20 @@
 #                                               # another float path: micro-batches of 2048 tokens
 #                                               # split the warm start's batches too (reduction order)
 #   JOBS=1 bash bench/toy_seeds.sh 3            # runs at a time (default: one per 2 cores)
+#   CONFIG=configs/tiny_actions.yaml TAG=_actions bash bench/toy_seeds.sh 0 1 2
+#                                               # another recipe (the table then checks its goals)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 SEEDS=${*:-0 1 2 3 4 5}
 TAG=${TAG:-}
 EXTRA=${EXTRA:-}
+CONFIG=${CONFIG:-configs/tiny.yaml}
 JOBS=${JOBS:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
 export CUDA_VISIBLE_DEVICES=""
 # once, not per seed (concurrent seeds would race to build it); again when it is absent or from an
 # older prepare_toy.py: the rule every run applies (tiny.prepare_toy_set)
-$PY -c 'import config, tiny; tiny.prepare_toy_set(config.load_config(["configs/tiny.yaml"]).data)' >/dev/null
+$PY -c 'import config, tiny; tiny.prepare_toy_set(config.load_config(["'"$CONFIG"'"]).data)' >/dev/null
 start=$SECONDS
 runs=()
 for S in $SEEDS; do
@@ -28,7 +31,7 @@ for S in $SEEDS; do
     runs+=("$R")
     # --standalone picks a free port; $EXTRA unquoted on purpose: several overrides
     # shellcheck disable=SC2086
-    $PY -m torch.distributed.run --standalone --nproc_per_node=2 train.py configs/tiny.yaml \
+    $PY -m torch.distributed.run --standalone --nproc_per_node=2 train.py "$CONFIG" \
         --train.seed="$S" --model.path="$R/model" --train.out_dir="$R" $EXTRA >"$R.log" 2>&1 &
     while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
 done

@@ -1,16 +1,18 @@
-"""The main command's runs as one Markdown table, checked against the demo's goals.
+"""The toy recipes' runs as one Markdown table, checked against their goals.
 
     .venv/bin/python bench/toy_table.py runs/seed0 runs/seed1 ...    [--names a,b,...]
 
-Reads each run's metrics.jsonl (train.out_dir) and, for the wall time, the log beside it (RUN.log,
-as bench/toy_seeds.sh writes it, or RUN/train.log, as sweep.py does). One row per run: where the
-warm start stopped (SFT step, and the training EX and recovery of that check), held-out EX at every
-eval (greedy), its gain from the warm start to the end, the held-out recovery (episodes whose first
-query came back empty or failed that still ended right: recovered / such episodes) from the warm
-start to the end, tool calls per episode at the end, the whole command's wall time; then whether
-the run meets each goal: gain >= +10 points, recovery >= 50% at the end and >= +10 points over the
-warm start, >= 0.7 tool calls per episode. The last lines name the worst run (smallest gain) and
-the range of every figure over the runs.
+Reads each run's metrics.jsonl (train.out_dir), its protocol from a checkpoint's config.yaml and,
+for the wall time, the log beside it (RUN.log, as bench/toy_seeds.sh writes it, or RUN/train.log, as
+sweep.py does). One row per run: where the warm start stopped (SFT step, and the training EX and
+recovery of that check), held-out EX at every eval (greedy), its gain from the warm start to the
+end, the held-out recovery (episodes whose first query came back empty or failed that still ended
+right: recovered / such episodes) from the warm start to the end, format errors and tool calls per
+episode at the end, the whole command's wall time; then whether the run meets each goal of its
+protocol (GOALS): the main command (tags) gain >= +10 points, recovery >= 50% at the end and >= +10
+points over the warm start, >= 0.7 tool calls per episode; the actions recipe (configs/tiny_actions.yaml)
+gain >= +15, the same recovery goals, format errors (no ANSWER in the step budget) <= 5%. The last
+lines name the worst run (smallest gain) and the range of every figure over the runs.
 """
 from __future__ import annotations
 
@@ -19,7 +21,17 @@ import json
 import re
 from pathlib import Path
 
-GOALS = {"gain": 10.0, "recovery": 50.0, "recovery_gain": 10.0, "tool_calls": 0.7}
+GOALS = {"tags": {"gain": 10.0, "recovery": 50.0, "recovery_gain": 10.0, "tool_calls": 0.7},
+         "actions": {"gain": 15.0, "recovery": 50.0, "recovery_gain": 10.0, "format_err": 5.0}}
+
+
+def protocol(run_dir: Path) -> str:
+    """env.protocol of the run, from its first checkpoint's config.yaml (tags when none is there)."""
+    for cfg in sorted(run_dir.glob("ckpt_*/config.yaml")):
+        found = re.search(r"^\s+protocol:\s*(\w+)", cfg.read_text(), re.M)
+        if found:
+            return found.group(1)
+    return "tags"
 
 
 def read_run(run_dir: Path) -> dict:
@@ -37,30 +49,33 @@ def read_run(run_dir: Path) -> dict:
     def recovery(m):
         bad = m.get("eval/first_query_bad", 0)
         return m.get("eval/recovered", 0), bad, 100 * m.get("eval/recovered", 0) / max(bad, 1)
-    wall = None
+    wall = grpo = None
     for log in (run_dir.with_suffix(".log"), run_dir / "train.log"):
         if log.exists():
-            found = re.findall(r"whole command ([\d.]+) min", log.read_text())
-            wall = float(found[-1]) if found else wall
+            found = re.findall(r"steps in ([\d.]+) min \(whole command ([\d.]+) min", log.read_text())
+            grpo, wall = map(float, found[-1]) if found else (grpo, wall)
     return {"run": str(run_dir), "stop": stop, "stop_ex": 100 * check.get("sft/train/ex", float("nan")),
             "stop_recovery": 100 * check.get("sft/train/recovery_rate", float("nan")),
             "ex": [100 * evals[s]["eval/ex"] for s in sorted(evals)], "steps": sorted(evals),
             "gain": 100 * (last["eval/ex"] - first["eval/ex"]),
             "recovery0": recovery(first), "recovery1": recovery(last),
             "recovery_gain": recovery(last)[2] - recovery(first)[2],
-            "tool_calls": last.get("eval/tool_calls", 0.0), "wall_min": wall}
+            "tool_calls": last.get("eval/tool_calls", 0.0), "format_err": 100 * last.get("eval/format_err", 0.0),
+            "wall_min": wall, "grpo_min": grpo, "protocol": protocol(run_dir)}
 
 
 def passes(r: dict) -> dict[str, bool]:
-    return {"gain": r["gain"] >= GOALS["gain"], "recovery": r["recovery1"][2] >= GOALS["recovery"],
-            "recovery_gain": r["recovery_gain"] >= GOALS["recovery_gain"],
-            "tool_calls": r["tool_calls"] >= GOALS["tool_calls"]}
+    goals = GOALS[r["protocol"]]
+    got = {"gain": r["gain"], "recovery": r["recovery1"][2], "recovery_gain": r["recovery_gain"],
+           "tool_calls": r["tool_calls"], "format_err": -r["format_err"]}  # format errors: at most
+    return {k: got[k] >= (-v if k == "format_err" else v) for k, v in goals.items()}
 
 
 def table(rows: list[dict], names: list[str]) -> str:
     steps = rows[0]["steps"]
     head = (["run", "warm start stops at (train EX, recovery)"] + [f"EX {s}" for s in steps] +
-            ["gain", "recovered / first query empty (start -> end)", "tool calls", "whole command", "goals"])
+            ["gain", "recovered / first query empty (start -> end)", "format errors", "tool calls",
+             "whole command (GRPO)", "goals"])
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in zip(names, rows):
         (a0, b0, p0), (a1, b1, p1) = r["recovery0"], r["recovery1"]
@@ -69,7 +84,8 @@ def table(rows: list[dict], names: list[str]) -> str:
             [name, f"{r['stop'] or 'cap'} ({r['stop_ex']:.1f}%, {r['stop_recovery']:.1f}%)"]
             + [f"{x:.1f}" for x in r["ex"]]
             + [f"**{r['gain']:+.1f}**", f"{a0:.0f}/{b0:.0f} ({p0:.1f}%) -> {a1:.0f}/{b1:.0f} ({p1:.1f}%, {r['recovery_gain']:+.1f})",
-               f"{r['tool_calls']:.2f}", f"{r['wall_min']:.1f} min" if r["wall_min"] else "-",
+               f"{r['format_err']:.1f}%", f"{r['tool_calls']:.2f}",
+               f"{r['wall_min']:.1f} min ({r['grpo_min']:.1f})" if r["wall_min"] else "-",
                "all" if all(ok.values()) else "missed: " + ", ".join(k for k, v in ok.items() if not v)]) + " |")
     return "\n".join(out)
 
@@ -82,7 +98,8 @@ def summary(rows: list[dict], names: list[str]) -> str:
             f"({rows[worst]['ex'][0]:.1f} -> {rows[worst]['ex'][-1]:.1f}, {rows[worst]['gain']:+.1f}; recovery "
             f"{rows[worst]['recovery1'][2]:.1f}%). Over all runs: warm start EX {rng([r['ex'][0] for r in rows])}, "
             f"final EX {rng([r['ex'][-1] for r in rows])}, gain {rng([r['gain'] for r in rows])}, final recovery "
-            f"{rng([r['recovery1'][2] for r in rows])}% (gain {rng([r['recovery_gain'] for r in rows])}), tool calls "
+            f"{rng([r['recovery1'][2] for r in rows])}% (gain {rng([r['recovery_gain'] for r in rows])}), format errors "
+            f"{rng([r['format_err'] for r in rows])}%, tool calls "
             f"{rng([r['tool_calls'] for r in rows])}, warm start stops {min(r['stop'] or 0 for r in rows)}-"
             f"{max(r['stop'] or 0 for r in rows)}.")
 
