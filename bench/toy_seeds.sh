@@ -23,7 +23,7 @@ JOBS=${JOBS:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
 export CUDA_VISIBLE_DEVICES=""
 # once, not per seed (concurrent seeds would race to build it); again when it is absent or from an
 # older prepare_toy.py: the rule every run applies (tiny.prepare_toy_set)
-$PY -c 'import config, tiny; tiny.prepare_toy_set(config.load_config(["'"$CONFIG"'"]).data)' >/dev/null
+$PY -c 'import config; from toy import tiny; tiny.prepare_toy_set(config.load_config(["'"$CONFIG"'"]).data)' >/dev/null
 start=$SECONDS
 runs=()
 for S in $SEEDS; do

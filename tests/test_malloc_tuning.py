@@ -45,7 +45,7 @@ print(libc.mallinfo2().hblks - before)
 
 @needs_glibc
 def test_glibc_takes_every_setting():
-    code = "import malloc_tuning, sys; sys.exit(0 if malloc_tuning.keep_freed_memory() else 1)"
+    code = "import sys; from trainer import malloc_tuning; sys.exit(0 if malloc_tuning.keep_freed_memory() else 1)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 

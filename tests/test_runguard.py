@@ -29,7 +29,7 @@ from test_train import read_metrics, run_train, small_args
 
 def hold_lock(out_dir):
     """Another process holding out_dir's lock, started and locked when this returns."""
-    code = f"import runguard, time; fh = runguard.lock_out_dir({str(out_dir)!r}); print('locked', flush=True); time.sleep(60)"
+    code = f"import time; from trainer import runguard; fh = runguard.lock_out_dir({str(out_dir)!r}); print('locked', flush=True); time.sleep(60)"
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "locked"
     return p
@@ -130,7 +130,8 @@ def test_a_rank_stops_when_its_launcher_is_killed(tmp_path, monkeypatch):
     """A launcher (here a plain python process) starts a child that watches it, the way torchrun
     starts ranks; kill -9 of the launcher sends the child SIGTERM within a poll."""
     flag = tmp_path / "got_sigterm"
-    child = (f"import os, signal, sys, time, runguard\n"
+    child = (f"import os, signal, sys, time\n"
+             f"from trainer import runguard\n"
              f"signal.signal(signal.SIGTERM, lambda *a: (open({str(flag)!r}, 'w').write('1'), os._exit(0)))\n"
              f"assert runguard.stop_with_launcher(poll_s=0.05)\n"
              f"print('watching', flush=True)\n"
