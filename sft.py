@@ -173,16 +173,19 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
     data = build_dataset(train_ex, prompts, tok, cfg, db_paths)
     opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
     check_every = s.stop_check_every  # stop_check_every_near while the last check is at or above stop_near_ex
+    passed_in_a_row = 0  # the last checks that passed the stop's thresholds, in a row
     start, finished = 0, False  # steps done; whether the warm start ended (cap or stop check)
     if resume_from:
         saved = checkpoint.load(resume_from, model, opt, sch)
         start, check_every, finished = saved["step"], saved["check_every"], saved["finished"]
+        passed_in_a_row = saved.get("passed_in_a_row", 0)  # saves before sft.stop_checks_in_a_row: 0
         log.rewind(saved.get("log_sizes"))  # what was logged after the save is logged again
         log.print(f"warm start: resumed from {resume_from} at step {start}" + (" (it had ended)" if finished else ""))
 
     def save(step: int, ended: bool) -> str | None:
         return checkpoint.save(cfg.train.out_dir, step, model, opt, sch, tok, cfg,
-                               {"check_every": check_every, "finished": ended, "log_sizes": log.sizes()},
+                               {"check_every": check_every, "passed_in_a_row": passed_in_a_row,
+                                "finished": ended, "log_sizes": log.sizes()},
                                name=checkpoint.WARM_START)
 
     synced = False  # the sampler holds this step's weights
@@ -222,12 +225,15 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
             ex, recovery = m["sft/train/ex"], m.get("sft/train/recovery_rate", 1.0)  # absent: none failed
             near = s.stop_near_ex > 0 and ex >= s.stop_near_ex and s.stop_check_every_near > 0
             check_every = s.stop_check_every_near if near else s.stop_check_every
-            if ex >= s.stop_at_train_ex and recovery >= s.stop_at_train_recovery:
+            passed = ex >= s.stop_at_train_ex and recovery >= s.stop_at_train_recovery
+            passed_in_a_row = passed_in_a_row + 1 if passed else 0
+            if passed_in_a_row >= s.stop_checks_in_a_row:
                 log.metrics(i + 1, {"sft/stopped_at": i + 1})
                 log.print(f"sft: stopped at step {i + 1} of {s.steps}: training EX {100 * ex:.1f}% >= "
                           f"sft.stop_at_train_ex {100 * s.stop_at_train_ex:.0f}%" +
                           (f", recovery {100 * recovery:.1f}% >= sft.stop_at_train_recovery "
-                           f"{100 * s.stop_at_train_recovery:.0f}%" if s.stop_at_train_recovery > 0 else ""))
+                           f"{100 * s.stop_at_train_recovery:.0f}%" if s.stop_at_train_recovery > 0 else "") +
+                          (f", on {passed_in_a_row} checks in a row" if s.stop_checks_in_a_row > 1 else ""))
                 finished = True
         finished = finished or i + 1 == s.steps
         signum = stop.requested(device) if stop is not None else 0  # collective: every rank agrees

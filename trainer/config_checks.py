@@ -129,6 +129,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "sft.stop_check_every": (">= 1", ""),
     "sft.stop_check_from": (">= 0", ""),
     "sft.stop_check_questions": (">= 1", ""),
+    "sft.stop_checks_in_a_row": (">= 1", ""),
     "sft.stop_near_ex": ("[0, 1]", "a fraction; 0 = off"),
     "sft.stop_check_every_near": (">= 0", "0 = off"),
     "sft.save_every": (">= 0", "0 = at its end and at a stop only"),
