@@ -277,6 +277,61 @@ def test_sft_resumes_its_weights_and_its_check_grid(tmp_path, tiny_model, monkey
         assert torch.equal(w, resumed[name]), name
 
 
+@pytest.mark.parametrize("in_a_row, stops_at", [(1, 10), (2, 40), (3, None)])
+def test_sft_stop_needs_checks_in_a_row(tmp_path, tiny_model, monkeypatch, in_a_row, stops_at):
+    """sft.stop_checks_in_a_row: a lucky check on a plateau (10: 0.5, then 0.3) does not stop the
+    warm start at 2; two passing checks in a row do (30, 40); 3 never come before the cap."""
+    path, tok = tiny_model
+    cfg, train_ex = near_grid_cfg(tmp_path, "--sft.stop_near_ex=0", "--sft.steps=50",
+                                  f"--sft.stop_checks_in_a_row={in_a_row}")
+    curve = {10: 0.5, 20: 0.3, 30: 0.6, 40: 0.55}
+    seen = []
+    monkeypatch.setattr(sft, "evaluate", lambda sampler, tok, exs, cfg, rank, world, device, log, step,
+                        prefix="eval": seen.append(step) or {f"{prefix}/ex": curve[step]})
+    sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
+                torch.device("cpu"), run_log.Log(cfg, 0))
+    assert seen == [c for c in curve if c <= (stops_at or 40)]
+    assert stops_logged(tmp_path / "run") == ([stops_at] if stops_at else [])
+
+
+def test_sft_resume_keeps_the_checks_passed_in_a_row(tmp_path, tiny_model, monkeypatch):
+    """A warm start that needs 2 passing checks in a row, killed at the second (step 28) after its
+    save at step 26 (one passed), resumes to stop at 28 as the straight run does, not at 30."""
+    path, tok = tiny_model
+    cfg, train_ex = near_grid_cfg(tmp_path, "--sft.stop_check_every_near=2", "--sft.save_every=2",
+                                  "--sft.stop_checks_in_a_row=2")
+    curve = {10: 0.1, 20: 0.3, 22: 0.35, 24: 0.45, 26: 0.55, 28: 0.7, 30: 0.85}
+    seen = []
+
+    class Killed(Exception):
+        pass
+
+    def fake_evaluate(sampler, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
+        if step == kill_at:
+            raise Killed
+        seen.append(step)
+        return {f"{prefix}/ex": curve[step]}
+    monkeypatch.setattr(sft, "evaluate", fake_evaluate)
+
+    def warm_start(resume_from=None):
+        sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
+                    torch.device("cpu"), run_log.Log(cfg, 0), resume_from=resume_from)
+
+    kill_at = None
+    warm_start()
+    assert seen[-2:] == [26, 28] and stops_logged(tmp_path / "run") == [28]
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    seen.clear()
+    kill_at = 28
+    with pytest.raises(Killed):
+        warm_start()
+    save = checkpoint.warm_start_save(str(tmp_path / "run"))
+    assert torch.load(f"{save}/trainer.pt", weights_only=True)["step"] == 26
+    kill_at = None
+    warm_start(resume_from=save)
+    assert seen[-2:] == [26, 28] and stops_logged(tmp_path / "run") == [28]
+
+
 def test_stop_check_questions_from_unseen_databases():
     """sft.stop_check_unseen: the stop check's 128 questions are those of whole training databases
     (spread over the set), and the warm start trains on none of those databases; without it, 128
