@@ -1,4 +1,4 @@
-"""One full RL step of configs/tiny.yaml, split into rollout / reward / update (one process).
+"""One full RL step of configs/tiny.yaml (or --config), split into rollout / reward / update (one process).
 
 Builds the toy set and the tiny random model of configs/tiny.yaml in a temp folder (the run's own
 asset builder), then runs train.py's own step, train.grpo_step (sample and reward, keep mask,
@@ -11,6 +11,9 @@ the worst case; with --model the config's keep mask applies. Step 1 is a warm-up
 start-up, page cache); the headline is the median of the later steps.
 
     .venv/bin/python bench/rl_step.py [--steps 3] [--threads 2] [--model DIR] [--prompts 32] [--toy DIR]
+        [--config configs/tiny_actions.yaml]
+
+--config: another toy recipe (default configs/tiny.yaml); with --model, a checkpoint of that recipe.
 
 --toy DIR reads DIR/toy (e.g. one copy of runs/toy for two commits compared back to back).
 """
@@ -45,10 +48,11 @@ def main():
     ap.add_argument("--model", default="", help="HF folder (default: tiny.yaml's random model)")
     ap.add_argument("--prompts", type=int, default=0, help="prompts per step (default: the config's)")
     ap.add_argument("--toy", default="", help="a folder holding toy/ (default: build it in a temp folder)")
+    ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny.yaml"), help="the toy recipe")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     d = a.toy or tempfile.mkdtemp(prefix="bench_rl_step_")
-    cfg = C.load_config([os.path.join(ROOT, "configs", "tiny.yaml"), f"--data.db_root={d}/toy",
+    cfg = C.load_config([a.config, f"--data.db_root={d}/toy",
                          f"--data.train_path={d}/toy/train.jsonl", f"--data.eval_path={d}/toy/eval.jsonl",
                          f"--model.path={a.model or d + '/model'}", f"--train.out_dir={d}/run"])
     if a.prompts:
@@ -68,7 +72,7 @@ def main():
     sampler.refresh(model)  # the weights GRPO starts from (train.main syncs once before its loop)
     run = train.Run(model, None, sampler, opt, sch, tok, cfg, Log(cfg, rank=1), rank=0, world=1, device=cpu)
     stream = train.PromptStream(len(exs), cfg.train.seed)
-    print(f"configs/tiny.yaml: {P} prompts x {G} samples, max_turns {cfg.env.max_turns}, max_new_tokens "
+    print(f"{os.path.basename(a.config)}: {P} prompts x {G} samples, max_turns {cfg.env.max_turns}, max_new_tokens "
           f"{cfg.sampling.max_new_tokens}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
           f"1 process, {a.threads} threads, dynamic sampling {'on' if cfg.grpo.dynamic_sampling else 'off'}")
     rows = []
