@@ -58,10 +58,6 @@ class ModelConfig:
     tiny_heads: int = 4
     tiny_kv_heads: int = 2
     tiny_intermediate_size: int = 384
-    # the output head shares the input embedding (Qwen2.5-0.5B does, 7B does not). Tied, the head's
-    # gradient where the next digit is unknown pulls every digit's embedding toward one context, and
-    # a copied digit then loses its identity (toy, actions protocol, seed 2: digit cosines 0.8-0.9)
-    tiny_tie_embeddings: bool = True
 
 
 @dataclass

@@ -236,8 +236,7 @@ def prepare_assets(cfg, model_class, gold_texts):
         print(f"building a tiny {m.tiny_family} model + tokenizer in {m.path}", flush=True)
         build_tiny(model_class, m.path, texts, vocab_size=m.tiny_vocab_size, family=m.tiny_family,
                    hidden_size=m.tiny_hidden_size, layers=m.tiny_layers, heads=m.tiny_heads,
-                   kv_heads=m.tiny_kv_heads, intermediate_size=m.tiny_intermediate_size,
-                   tie=m.tiny_tie_embeddings, seed=cfg.train.seed)
+                   kv_heads=m.tiny_kv_heads, intermediate_size=m.tiny_intermediate_size, seed=cfg.train.seed)
         if cfg.data.prepare_toy:  # its tokenizer was trained on this toy set
             model_stamp.write_text(f"{tiny_stamp(TOY_VERSION)}\n")
 
@@ -250,8 +249,7 @@ def shape_differences(m) -> list[str]:
         have = json.load(fh)
     want = {"model_type": m.tiny_family, "hidden_size": m.tiny_hidden_size, "num_hidden_layers": m.tiny_layers,
             "num_attention_heads": m.tiny_heads, "num_key_value_heads": m.tiny_kv_heads,
-            "intermediate_size": m.tiny_intermediate_size or 3 * m.tiny_hidden_size,
-            "tie_word_embeddings": m.tiny_tie_embeddings}
+            "intermediate_size": m.tiny_intermediate_size or 3 * m.tiny_hidden_size}
     return [f"{k} {have.get(k)} -> {v}" for k, v in want.items() if have.get(k) != v]
 
 
