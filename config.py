@@ -248,8 +248,8 @@ class SFTConfig:
     stop_check_every_near: int = 0
     stop_check_questions: int = 128  # training questions the stop check evaluates (spread over the set)
     # Checks in a row that must pass before the stop. 128 questions carry about +-4 points of binomial
-    # noise: on a plateau a lucky check passes the threshold (toy, actions protocol: 30.5% nine steps
-    # after 18.8%, and GRPO from there gained +10 where the others gained +29 to +38).
+    # noise: on a plateau a lone check can pass the threshold (toy, actions protocol: 39.1% between
+    # 33.6% and 31.2%, the copy GRPO builds on not yet formed).
     stop_checks_in_a_row: int = 1
     # The check's questions come from whole training databases the warm start leaves out (about 8 of
     # them for 128 questions): on questions it trains on, a late stop reads memorised answers as skill

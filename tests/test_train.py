@@ -234,13 +234,18 @@ def test_sft_check_grid_returns_to_the_coarse_one_when_ex_falls_back(tmp_path, t
     assert seen == [10, 20, 21, 30, 33] and stops_logged(tmp_path / "run") == [33]
 
 
-def test_sft_resumes_its_weights_and_its_check_grid(tmp_path, tiny_model, monkeypatch):
-    """A warm start killed at step 24 (after its save at step 22, on the fine grid) and resumed
+@pytest.mark.parametrize("in_a_row, killed_at, checks", [
+    (1, 24, [10, 20, 22, 24, 26]),
+    (2, 28, [10, 20, 22, 24, 26, 28])])  # the save at 26 holds one passing check: the stop stays at 28
+def test_sft_resumes_its_weights_and_its_check_grid(tmp_path, tiny_model, monkeypatch, in_a_row, killed_at, checks):
+    """A warm start killed at a check (after its save 2 steps earlier, on the fine grid) and resumed
     from that save checks where the run that was never stopped checks (24, 26: a resume on the
-    coarse grid would check 30 next), stops at the same step and ends with the same weights
-    (the weights, AdamW moments, schedule and data order all came back)."""
+    coarse grid would check 30 next), stops at the same step (with sft.stop_checks_in_a_row 2 too:
+    the save keeps the count, a resume that lost it would stop at 30) and ends with the same
+    weights (the weights, AdamW moments, schedule and data order all came back)."""
     path, tok = tiny_model
-    cfg, train_ex = near_grid_cfg(tmp_path, "--sft.stop_check_every_near=2", "--sft.save_every=2")
+    cfg, train_ex = near_grid_cfg(tmp_path, "--sft.stop_check_every_near=2", "--sft.save_every=2",
+                                  f"--sft.stop_checks_in_a_row={in_a_row}")
     curve = {10: 0.1, 20: 0.3, 22: 0.35, 24: 0.45, 26: 0.55, 28: 0.7, 30: 0.85}
     seen = []
 
@@ -262,17 +267,17 @@ def test_sft_resumes_its_weights_and_its_check_grid(tmp_path, tiny_model, monkey
 
     kill_at = None
     straight = warm_start().state_dict()
-    assert seen == [10, 20, 22, 24, 26] and stops_logged(tmp_path / "run") == [26]
+    assert seen == checks and stops_logged(tmp_path / "run") == [checks[-1]]
     (tmp_path / "run" / "metrics.jsonl").unlink()
     seen.clear()
-    kill_at = 24
+    kill_at = killed_at
     with pytest.raises(Killed):
         warm_start()
     save = checkpoint.warm_start_save(str(tmp_path / "run"))
-    assert torch.load(f"{save}/trainer.pt", weights_only=True)["step"] == 22
+    assert torch.load(f"{save}/trainer.pt", weights_only=True)["step"] == killed_at - 2
     kill_at = None
     resumed = warm_start(resume_from=save).state_dict()
-    assert seen == [10, 20, 22, 24, 26] and stops_logged(tmp_path / "run") == [26]
+    assert seen == checks and stops_logged(tmp_path / "run") == [checks[-1]]
     for name, w in straight.items():
         assert torch.equal(w, resumed[name]), name
 
@@ -292,44 +297,6 @@ def test_sft_stop_needs_checks_in_a_row(tmp_path, tiny_model, monkeypatch, in_a_
                 torch.device("cpu"), run_log.Log(cfg, 0))
     assert seen == [c for c in curve if c <= (stops_at or 40)]
     assert stops_logged(tmp_path / "run") == ([stops_at] if stops_at else [])
-
-
-def test_sft_resume_keeps_the_checks_passed_in_a_row(tmp_path, tiny_model, monkeypatch):
-    """A warm start that needs 2 passing checks in a row, killed at the second (step 28) after its
-    save at step 26 (one passed), resumes to stop at 28 as the straight run does, not at 30."""
-    path, tok = tiny_model
-    cfg, train_ex = near_grid_cfg(tmp_path, "--sft.stop_check_every_near=2", "--sft.save_every=2",
-                                  "--sft.stop_checks_in_a_row=2")
-    curve = {10: 0.1, 20: 0.3, 22: 0.35, 24: 0.45, 26: 0.55, 28: 0.7, 30: 0.85}
-    seen = []
-
-    class Killed(Exception):
-        pass
-
-    def fake_evaluate(sampler, tok, exs, cfg, rank, world, device, log, step, prefix="eval"):
-        if step == kill_at:
-            raise Killed
-        seen.append(step)
-        return {f"{prefix}/ex": curve[step]}
-    monkeypatch.setattr(sft, "evaluate", fake_evaluate)
-
-    def warm_start(resume_from=None):
-        sft.run_sft(Transformer.from_pretrained(path), CountingSampler(), tok, train_ex, [], cfg, 0, 1,
-                    torch.device("cpu"), run_log.Log(cfg, 0), resume_from=resume_from)
-
-    kill_at = None
-    warm_start()
-    assert seen[-2:] == [26, 28] and stops_logged(tmp_path / "run") == [28]
-    (tmp_path / "run" / "metrics.jsonl").unlink()
-    seen.clear()
-    kill_at = 28
-    with pytest.raises(Killed):
-        warm_start()
-    save = checkpoint.warm_start_save(str(tmp_path / "run"))
-    assert torch.load(f"{save}/trainer.pt", weights_only=True)["step"] == 26
-    kill_at = None
-    warm_start(resume_from=save)
-    assert seen[-2:] == [26, 28] and stops_logged(tmp_path / "run") == [28]
 
 
 def test_stop_check_questions_from_unseen_databases():
