@@ -1,13 +1,15 @@
 """GRPO's algorithm side: which groups a step keeps, the credit (each loss token's advantage), the
 policy loss family (PPO-clip GRPO, GSPO, GSPO-token, CISPO) with optional rollout importance
-correction. Tensor functions on typed inputs; the step that calls them is train.grpo_step
-(sample, reward, keep mask, credit, update, sync), and the update's plumbing that feeds the loss
-its LossInputs is trainer/policy_update.py.
+correction, and the loss's input record. Tensor functions on typed inputs; the step that calls
+them is train.grpo_step (sample, reward, keep mask, credit, update, sync), whose update loop
+(train.update) builds one LossInputs per micro-batch and calls policy_loss on it.
 
 Where to edit for an ablation:
-  - the credit (per-token or per-turn advantages): `token_advantages` (and one grpo.* config key);
-    `turn_rewards` is the worked example (grpo.lookup_bonus);
-  - the loss: `policy_loss` (one LossInputs of (B, T) tensors in, a scalar and metrics out);
+  - the credit: a per-turn returns function (`outcome_returns` is the default, `lookup_bonus_returns`
+    the worked example, grpo.lookup_bonus) picked in `turn_returns` by one grpo.* key; the group
+    normalisation (`group_baseline`) and the broadcast to tokens are shared by every credit;
+  - the loss: `policy_loss` (one LossInputs of (B, T) tensors and the grpo config group in, a scalar
+    and metrics out);
   - which groups train: `keep_mask`.
 
 Normalisation contract. `policy_loss` returns Σ_{its tokens or sequences} ℓ / norm where `norm`
@@ -26,13 +28,15 @@ its place in `norm` (its loss is multiplied by 0). tests/test_grpo_losses.py che
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from trainer import packing
 from trainer.distributed import all_gather_list
-from trainer.policy_update import LossInputs
+from trainer.policy_update import BatchTokens
 from trainer.rollout_correction import RolloutIS, is_weights, mismatch_metrics, seq_mean
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo")
@@ -42,33 +46,43 @@ AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo")
 # advantages
 
 
-def advantages(rewards: Tensor, group_size: int, mode: str = "group", eps: float = 1e-6) -> Tensor:
-    """Per-sample advantages (P*G,) from rewards (P*G,) laid out group-major
-    (prompt p's G samples at p*G .. p*G+G-1).
+def group_baseline(returns: Tensor, group_size: int, mode: str = "group", eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """The one group normalisation every credit shares: (baseline, scale), each (P*G,), for episode
+    returns (P*G,) laid out group-major (prompt p's G samples at p*G .. p*G+G-1); an episode's
+    advantage is (return - baseline) / scale.
 
-    group: (r - mean_G) / (std_G + eps)       GRPO / verl
-    batch: (r - mean_G) / (std_batch + eps)   std of the raw rewards over the whole batch
-                                              (TRL scale_rewards="batch", Lite PPO): pass the
-                                              *global* rewards so every rank agrees
-    none:  r - mean_G                          Dr. GRPO
-    std is torch.std's default, unbiased (n-1), as in verl. A group of one sample has no
-    baseline: its advantage is 0 (verl instead uses mean 0, std 1, i.e. raw reward).
-    A group with equal rewards gets 0 in every mode (0 / (0 + eps)).
+    group: baseline mean_G, scale std_G + eps           GRPO / verl
+    batch: baseline mean_G, scale std_batch + eps       std of the raw returns over the whole batch
+                                                        (TRL scale_rewards="batch", Lite PPO): pass the
+                                                        *global* returns so every rank agrees
+    none:  baseline mean_G, scale 1                     Dr. GRPO
+    std is torch.std's default, unbiased (n-1), as in verl. A group of one sample has no baseline:
+    its advantage is 0 (verl instead uses mean 0, std 1, i.e. raw reward). A group with equal
+    returns gets 0 in every mode (0 / (0 + eps)).
     """
-    assert rewards.dim() == 1 and rewards.numel() % group_size == 0, (rewards.shape, group_size)
-    if rewards.numel() == 0:  # every group filtered out: nothing to normalise (and no std warning)
-        return rewards.float()
-    r = rewards.float().view(-1, group_size)  # (P, G)
-    centered = r - r.mean(dim=1, keepdim=True)
+    assert returns.dim() == 1 and returns.numel() % group_size == 0, (returns.shape, group_size)
+    r = returns.float().view(-1, group_size)  # (P, G)
+    baseline = r.mean(dim=1, keepdim=True).expand_as(r)
     if mode == "none":
-        return centered.view(-1)
-    if mode == "group":
-        std = r.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(r)
+        scale = torch.ones_like(r)
+    elif mode == "group":
+        std = r.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(r[:, :1])
+        scale = (std + eps).expand_as(r)
     elif mode == "batch":
         std = r.std() if r.numel() > 1 else r.new_zeros(())
+        scale = (std + eps).expand_as(r)
     else:
         raise ValueError(f"advantage mode must be group, batch or none, got {mode!r}")
-    return (centered / (std + eps)).view(-1)
+    return baseline.reshape(-1), scale.reshape(-1)
+
+
+def advantages(rewards: Tensor, group_size: int, mode: str = "group", eps: float = 1e-6) -> Tensor:
+    """Per-sample advantages (P*G,) of rewards (P*G,) laid out group-major: (r - baseline) / scale
+    (group_baseline). An empty batch (every group filtered out) gives an empty tensor."""
+    if rewards.numel() == 0:  # nothing to normalise (and no std warning)
+        return rewards.float()
+    baseline, scale = group_baseline(rewards, group_size, mode, eps)
+    return (rewards.float() - baseline) / scale
 
 
 def keep_mask_dynamic(rewards: Tensor, group_size: int) -> Tensor:
@@ -101,12 +115,10 @@ def _whole_batch(values: list[float], mode: str) -> tuple[Tensor, int]:
     return torch.tensor([x for r in every for x in r], dtype=torch.float32), sum(len(r) for r in every[:dist.get_rank()])
 
 
-def episode_advantages(batch, g) -> Tensor:
-    """(n,) advantages of this rank's episodes (whole groups: rollout.Episode list) from their
-    rewards, grpo.advantage's normalisation (advantages above). Every rank holds whole groups, so
-    the group modes need nothing from the other ranks; "batch" takes the std of every rank's rewards."""
-    values, start = _whole_batch([e.reward.value for e in batch], g.advantage)
-    return advantages(values, g.group_size, g.advantage, g.adv_eps)[start:start + len(batch)]
+def outcome_returns(episode) -> list[float]:
+    """The default credit: the outcome reward R on every turn (so every token gets the episode's
+    advantage)."""
+    return [episode.reward.value] * max(episode.trajectory.num_turns, 1)
 
 
 def gold_literals(example: dict) -> list[str]:
@@ -121,7 +133,8 @@ def gold_literals(example: dict) -> list[str]:
 def turn_rewards(episode, bonus: float) -> list[float]:
     """Per-turn rewards of one episode (grpo.lookup_bonus): `bonus` on the first tool turn whose
     observation shows a value the gold answer needs (gold_literals), 0 on every other turn (a
-    later lookup that shows it again earns nothing: no farming)."""
+    later lookup that shows it again earns nothing: no farming). Tool turns are `sql` steps (tags
+    protocol) and `query` steps (actions protocol)."""
     out = [0.0] * episode.trajectory.num_turns
     needed = gold_literals(episode.example)
     for k, step in enumerate(episode.trajectory.steps[:len(out)]):
@@ -131,37 +144,41 @@ def turn_rewards(episode, bonus: float) -> list[float]:
     return out
 
 
+def lookup_bonus_returns(episode, bonus: float) -> list[float]:
+    """The worked per-turn credit (grpo.lookup_bonus > 0): turn k's return is the outcome R plus the
+    per-turn rewards from turn k on, R + Σ_{j≥k} b_j (reward-to-go, γ = 1; b: turn_rewards). The turn
+    that first showed the value, and those before it, gain the bonus; the turns after it (the
+    answer) are judged on the outcome alone."""
+    bonuses = turn_rewards(episode, bonus) or [0.0]
+    return [episode.reward.value + sum(bonuses[k:]) for k in range(len(bonuses))]
+
+
+def turn_returns(episode, g) -> list[float]:
+    """The credit's returns of one episode, one per turn (a new per-turn credit is one function like
+    the two below and a grpo.* key that picks it here). Turn 0's return is the episode's whole
+    return: its group's statistics are taken over those."""
+    if g.lookup_bonus > 0:
+        return lookup_bonus_returns(episode, g.lookup_bonus)
+    return outcome_returns(episode)
+
+
 def token_advantages(batch, g) -> list[Tensor]:
     """The credit: each episode's advantage per loss token, (n_loss_tokens,) each, in the order
     Trajectory.token_turns lists them. batch: this rank's rollout.Episode list (whole groups).
 
-    Default (grpo.lookup_bonus 0): the episode's advantage (episode_advantages) on every token.
-    lookup_bonus > 0: per-turn rewards b_k (turn_rewards) on top of the outcome reward R, each
-    credited to its turn and the turns before it (reward-to-go, γ = 1): a token of turn k gets
-    (R + Σ_{j≥k} b_j − mean) / (std + eps), mean and std those of the returns R + Σ_j b_j of its
-    group's episodes (grpo.advantage's normalisation: "none" divides by nothing, "batch" takes the
-    std over the batch). The turn that first showed the value, and those before it, gain the bonus;
-    the turns after it (the answer) are judged on the outcome alone."""
-    turns = [e.trajectory.token_turns() for e in batch]
-    if g.lookup_bonus <= 0:
-        adv = episode_advantages(batch, g)
-        return [adv[i].expand(len(t)).clone() for i, t in enumerate(turns)]
-    bonuses = [turn_rewards(e, g.lookup_bonus) for e in batch]
-    values, start = _whole_batch([e.reward.value + sum(b) for e, b in zip(batch, bonuses)], g.advantage)
-    r = values.view(-1, g.group_size)  # (groups, G): every rank's in the batch mode
-    mean = r.mean(dim=1, keepdim=True).expand_as(r).reshape(-1)[start:]
-    if g.advantage == "none":
-        denom = torch.ones_like(mean)
-    elif g.advantage == "group":
-        std = r.std(dim=1, keepdim=True) if g.group_size > 1 else torch.zeros_like(r[:, :1])
-        denom = (std + g.adv_eps).expand_as(r).reshape(-1)[start:]
-    else:
-        denom = ((r.std() if r.numel() > 1 else r.new_zeros(())) + g.adv_eps).expand_as(mean)
+    Three moves, shared by every credit: each episode's per-turn returns (turn_returns); one group
+    normalisation (group_baseline over the episodes' whole returns, grpo.advantage's mode: "none"
+    divides by nothing, "batch" takes the std over every rank's batch), applied to every turn's
+    return, (return_k - baseline) / scale; each token takes its turn's value."""
+    returns = [torch.tensor(turn_returns(e, g), dtype=torch.float32) for e in batch]  # (turns,) each
+    totals, start = _whole_batch([float(r[0]) for r in returns], g.advantage)  # every rank's in "batch"
+    baseline, scale = group_baseline(totals, g.group_size, g.advantage, g.adv_eps) if len(totals) \
+        else (totals, totals)
     out = []
-    for i, (e, t, b) in enumerate(zip(batch, turns, bonuses)):
-        to_go = e.reward.value + torch.tensor(b[::-1] or [0.0], dtype=torch.float32).cumsum(0).flip(0)  # (turns,)
-        per_turn = (to_go - mean[i]) / denom[i]
-        out.append(per_turn[torch.tensor(t, dtype=torch.long).clamp(max=len(per_turn) - 1)])
+    for i, (e, r) in enumerate(zip(batch, returns)):
+        per_turn = (r - baseline[start + i]) / scale[start + i]  # (turns,)
+        turn_of_token = torch.tensor(e.trajectory.token_turns(), dtype=torch.long).clamp(max=len(per_turn) - 1)
+        out.append(per_turn[turn_of_token])
     return out
 
 
@@ -222,35 +239,48 @@ def clip_range(loss: str, clip_low: float, clip_high: float) -> tuple[float, flo
     return (lo if clip_low < 0 else clip_low), (hi if clip_high < 0 else clip_high)
 
 
-def loss_kwargs(g, max_len: int) -> dict:
-    """policy_loss's hyperparameters from the grpo config group (max_len: sampling.max_context)."""
-    return dict(loss=g.loss, clip_low=g.clip_low, clip_high=g.clip_high, dual_clip_c=g.dual_clip_c,
-                kl_beta=g.kl_beta, agg=g.loss_agg, max_len=g.drgrpo_max_len or max_len,
-                rollout_is=RolloutIS.from_config(g))
+@dataclass
+class LossInputs:
+    """The policy loss's inputs for one micro-batch, each (B, T): row b holds one sequence's loss
+    tokens (the tokens it sampled), in order, zero-padded at the end (mask 0 there)."""
+    logprobs: Tensor  # log π_θ(y_t) of the policy being trained (the gradient flows through it)
+    old_logprobs: Tensor  # log π_old(y_t), the policy before this update (one optimizer step per
+    #                       batch: logprobs.detach(), so every ratio is 1)
+    ref_logprobs: Tensor | None  # the frozen KL reference's (None: no KL term, grpo.kl_beta 0)
+    sampler_logprobs: Tensor | None  # the sampler's own log π_rollout(y_t) (mismatch, grpo.rollout_is)
+    mask: Tensor  # 1.0 on loss tokens, 0.0 on padding
+    advantages: Tensor  # each token's advantage (token_advantages: the credit)
+    turns: Tensor  # long: each token's turn in its episode (0 = the first)
+    entropy: Tensor | None  # the policy's entropy at each token (a metric)
 
 
-class PolicyLoss:
-    """The loss as the update calls it (policy_update.update): `norm(masks)` once per optimizer
-    step (global_norm: a collective, every rank calls it), then `loss(inputs, norm)` per
-    micro-batch. g: the grpo config group; max_len: sampling.max_context (Dr. GRPO's L)."""
+def loss_inputs(logprobs: Tensor, entropy: Tensor, mb: packing.MicroBatch, idx: list[int],
+                tokens: BatchTokens) -> LossInputs:
+    """One micro-batch's LossInputs from its packed forward: logprobs and entropy (N,), the flat
+    loss tokens of mb's sequences (mb.counts[k] of them for sequence idx[mb.members[k]] of the
+    batch), and the batch's per-sequence values (tokens: old, reference and sampler logprobs,
+    advantages, turns), each laid out (members, longest)."""
+    seqs, counts = [idx[j] for j in mb.members], mb.counts
 
-    def __init__(self, g, max_len: int):
-        self.agg, self.kwargs = g.loss_agg, loss_kwargs(g, max_len)
+    def rows(per_seq: dict) -> Tensor:
+        return packing.pad_flat(torch.cat([per_seq[i] for i in seqs]), counts)
+    lp = packing.pad_flat(logprobs, counts)
+    return LossInputs(logprobs=lp, old_logprobs=rows(tokens.old) if tokens.old is not None else lp.detach(),
+                      ref_logprobs=rows(tokens.ref) if tokens.ref is not None else None,
+                      sampler_logprobs=rows(tokens.sampler),
+                      mask=packing.pad_flat(torch.ones_like(logprobs.detach()), counts),
+                      advantages=rows(tokens.advantages), turns=rows(tokens.turns),
+                      entropy=packing.pad_flat(entropy, counts))
 
-    def norm(self, masks: list[Tensor]) -> float:
-        return global_norm(masks, self.agg)
 
-    def __call__(self, inputs: LossInputs, norm: float) -> tuple[Tensor, dict[str, Tensor]]:
-        return policy_loss(inputs, norm=norm, **self.kwargs)
-
-
-def policy_loss(x: LossInputs, *, norm: float, clip_low: float, clip_high: float, loss: str = "grpo",
-                dual_clip_c: float = 0.0, kl_beta: float = 0.0, agg: str = "token-mean",
-                max_len: int | None = None, rollout_is: RolloutIS = RolloutIS()) -> tuple[Tensor, dict[str, Tensor]]:
-    """Policy loss of one micro-batch, divided by the *global* `norm` (see top).
+def policy_loss(x: LossInputs, norm: float, g, max_len: int = 0) -> tuple[Tensor, dict[str, Tensor]]:
+    """Policy loss of one micro-batch, divided by the *global* `norm` (global_norm; see top).
 
     x: LossInputs, every field (B, T), one sequence per row (logp = x.logprobs, old = x.old_logprobs,
-    A = x.advantages, per token; x.turns for a turn-aware loss). ε_l, ε_h = clip_range(loss, clip_low, clip_high).
+    A = x.advantages, per token; x.turns for a turn-aware loss). g: the grpo config group (loss,
+    clip_low/clip_high, dual_clip_c, kl_beta, loss_agg, rollout_is*, drgrpo_max_len); max_len:
+    sampling.max_context, Dr. GRPO's L when grpo.drgrpo_max_len is 0.
+    ε_l, ε_h = clip_range(g.loss, g.clip_low, g.clip_high).
     log ρ_t = clamp(logp - old_logp, ±20); per token t of sequence i:
       grpo        ρ = exp(log ρ_t)                         PPO-clip: pg = -min(ρA, clip(ρ, 1-ε_l, 1+ε_h)A)
       gspo        ρ = s_i = exp(mean_t log ρ_it)           the same clip on the sequence ratio (GSPO)
@@ -258,9 +288,10 @@ def policy_loss(x: LossInputs, *, norm: float, clip_low: float, clip_high: float
       cispo       pg = -sg(clip(ρ_t, 1-ε_l, 1+ε_h)) · A · logp    (CISPO: no token's gradient zeroed)
     dual-clip (not cispo): if dual_clip_c > 0 and A < 0: pg = min(pg, -c·A)    (verl)
     rollout correction: pg *= w_t, w from rollout_correction.is_weights(old, x.sampler_logprobs) when
-        the sampler's logprobs are given (mismatch metrics are then logged; the weights only if kind != none)
+        the sampler's logprobs are given (mismatch metrics are then logged; the weights only if
+        grpo.rollout_is != none)
     ℓ = pg + kl_beta · k3,  k3 = min(exp(ref - logp) - (ref - logp) - 1, 10), ref - logp clamped ±20
-    Aggregation (m = mask, norm from global_norm(..., agg)):
+    Aggregation (m = mask, agg = g.loss_agg, norm from global_norm(..., agg)):
         token-mean           Σ m·ℓ / norm                       norm = global masked tokens
         seq-mean-token-mean  Σ_seq (Σ_t m·ℓ / Σ_t m) / norm      norm = global sequences
         seq-mean-token-sum   Σ_seq Σ_t m·ℓ / norm                norm = global sequences
@@ -274,8 +305,10 @@ def policy_loss(x: LossInputs, *, norm: float, clip_low: float, clip_high: float
     """
     logp, old_logp, adv, mask = x.logprobs, x.old_logprobs, x.advantages, x.mask
     ref_logp, rollout_logp, entropy = x.ref_logprobs, x.sampler_logprobs, x.entropy
+    loss, agg, dual_clip_c, kl_beta = g.loss, g.loss_agg, g.dual_clip_c, g.kl_beta
+    max_len, rollout_is = g.drgrpo_max_len or max_len, RolloutIS.from_config(g)
     assert agg in AGGS, f"loss agg must be one of {AGGS}, got {agg!r}"
-    eps_low, eps_high = clip_range(loss, clip_low, clip_high)
+    eps_low, eps_high = clip_range(loss, g.clip_low, g.clip_high)
     assert dual_clip_c == 0.0 or dual_clip_c > 1.0, "dual-clip needs c > 1 (verl)"
     assert not (dual_clip_c and loss == "cispo"), "dual-clip bounds a PPO-clip loss; cispo has none"
     assert logp.shape == old_logp.shape == mask.shape, (logp.shape, old_logp.shape, mask.shape)

@@ -29,11 +29,10 @@ from model import Transformer
 from rollout import Episode, sample_episodes
 from sqltask import chat, dataset
 from toy import tiny
-from trainer import checkpoint, config_checks, lora, malloc_tuning, optim, runguard
+from trainer import checkpoint, config_checks, lora, malloc_tuning, optim, packing, policy_update, runguard
 from trainer.distributed import (PeakMemory, all_sum, close, compute_dtype, map_shared, memory_estimate, param_count,
                                  setup_dist, shard)
 from trainer.policy_sampler import PolicySampler
-from trainer.policy_update import update_policy
 from trainer.run_log import Log, Phases
 
 # -----------------------------------------------------------------------------
@@ -142,27 +141,48 @@ def collect(run: Run, prompts: list[dict], stream: "PromptStream", step: int, ph
 
 def grpo_step(run: Run, prompts: list[dict], stream: "PromptStream", step: int, phase) -> tuple[list, list, dict]:
     """One GRPO step, every move in order: sample and reward (collect, with the keep mask), the
-    credit (grpo.token_advantages: each loss token's advantage), the update (trainer/policy_update.py: old /
-    reference logprobs once, then per mini-batch the packed forward, grpo.policy_loss on its
-    LossInputs, backward and the optimizer step) and the weight sync (the sampler's copy refreshed
-    when a step moved the weights). Returns (kept, seen, metrics): the episodes trained on and
-    sampled (this rank's), and the update's metrics (token-weighted loss metrics, grad norms, kept_frac)."""
-    cfg, g = run.cfg, run.cfg.grpo
+    credit (grpo.token_advantages: each loss token's advantage), the update (update, below: old /
+    reference logprobs once, then per mini-batch each micro-batch's packed forward, grpo.policy_loss
+    on its LossInputs, backward, and the optimizer step) and the weight sync (the sampler's copy
+    refreshed when a step moved the weights). Returns (kept, seen, metrics): the episodes trained on
+    and sampled (this rank's), and the update's metrics (token-weighted loss metrics, grad norms,
+    kept_frac)."""
+    g = run.cfg.grpo
     kept, seen = collect(run, prompts, stream, step, phase)  # sample, reward, keep mask
     n_kept, n_seen = all_sum([len(kept), len(seen)], run.device)
     m = {}
-    with phase("update"):
-        if n_kept > 0:  # every rank joins the update (FSDP collectives), even one with no groups kept
+    if n_kept > 0:  # every rank joins the update (FSDP collectives), even one with no groups kept
+        with phase("credit"):
             advantages = grpo.token_advantages(kept, g)  # the credit: (n_loss_tokens,) per episode
-            m = update_policy(run.model, run.ref_model, run.optimizer, run.scheduler, [e.trajectory for e in kept],
-                              advantages, grpo.PolicyLoss(g, cfg.sampling.max_context), cfg, run.world, run.device)
-        else:  # all groups had equal rewards: nothing to learn from, not an error
-            run.log.print(f"step {step + 1}: every group had equal rewards: no update")
+        with phase("update"):
+            m = update(run, [e.trajectory for e in kept], advantages)
+    else:  # all groups had equal rewards: nothing to learn from, not an error
+        run.log.print(f"step {step + 1}: every group had equal rewards: no update")
     if any(math.isfinite(x) for x in m.pop("grad_norms", [])):  # the weights changed
         with phase("sync"):
             run.sampler.refresh(run.model)  # weight sync: the next rollout and eval sample the new policy
     m["kept_frac"] = n_kept / max(n_seen, 1)
     return kept, seen, m
+
+
+def update(run: Run, trajs: list, advantages: list[torch.Tensor]) -> dict:
+    """The update of one batch: old / reference logprobs once, then per mini-batch (grpo.ppo_epochs x
+    grpo.mini_batches slices) each micro-batch's packed forward, its LossInputs, grpo.policy_loss,
+    backward, and one optimizer step. advantages[i]: trajectory i's, one per loss token. Returns the
+    update's metrics (policy_update.UpdateMetrics.summary)."""
+    cfg, g, model = run.cfg, run.cfg.grpo, run.model
+    tokens = policy_update.batch_tokens(model, run.ref_model, trajs, advantages, cfg, run.device)  # per sequence
+    metrics = policy_update.UpdateMetrics()
+    for idx in policy_update.mini_batches(len(trajs), g):
+        norm = grpo.global_norm(policy_update.loss_masks(trajs, idx), g.loss_agg)  # over every rank: a collective
+        for mb in policy_update.micro_batches(model, trajs, idx, cfg, run.device):  # packed, dropout on
+            logprobs, entropy = packing.forward(model, mb, run.device, cfg.sampling.temperature)  # (N,) loss tokens
+            inputs = grpo.loss_inputs(logprobs, entropy, mb, idx, tokens)  # (B, T) each
+            loss, loss_metrics = grpo.policy_loss(inputs, norm, g, cfg.sampling.max_context)
+            (loss * run.world).backward()  # FSDP2 averages gradients over ranks; x world makes it the sum
+            metrics.add(loss_metrics, inputs.mask)
+        metrics.grad_norms.append(optim.step_optimizer(model, run.optimizer, run.scheduler, cfg.optim))  # non-finite: skipped
+    return metrics.summary()
 
 
 # -----------------------------------------------------------------------------
@@ -290,7 +310,7 @@ def main():
         t = phase.pop()
         tok_s = s["resp_tokens"] * n_seen / max(t["rollout"], 1e-9) / world
         for key, v in (("sampled", s["resp_tokens"] * n_seen), ("rollout_s", t["rollout"]), ("trained", n_trained),
-                       ("update_s", t["update"])):
+                       ("update_s", t.get("update", 0.0))):
             speed[key] += v
         dt = time.time() - t0
         eta = (time.time() - t_start) / (step - first_step) * (cfg.train.steps - step)
@@ -302,7 +322,7 @@ def main():
             log.print(f"step {step}/{cfg.train.steps} | reward {s['reward']:+.3f} EX {100 * s['ex']:.1f}% "
                       f"fmt-err {100 * s['format_err']:.1f}% turns {s['turns']:.2f} tools {s['tool_calls']:.2f} | "
                       f"clip {m.get('clip_frac', 0):.3f} gnorm {m.get('grad_norm', 0):.3f} | {tok_s:.0f} tok/s | "
-                      f"rollout {t['rollout']:.1f}s reward {t['reward']:.1f}s update {t['update']:.1f}s | "
+                      f"rollout {t['rollout']:.1f}s reward {t['reward']:.1f}s update {t.get('update', 0.0):.1f}s | "
                       f"ETA {eta / 60:.1f} min")
         if cfg.train.sample_every and step % cfg.train.sample_every == 0:
             log.samples(step, seen, tok, cfg.grpo.group_size, cfg.train.sample_rows)  # printed, samples.jsonl, wandb

@@ -1,6 +1,6 @@
-"""Training throughput of the GRPO update step (policy_update.update: forward, backward, AdamW).
+"""Training throughput of the GRPO update step (train.update: forward, backward, AdamW).
 
-Default: shared-prompt packing (policy_update.update) vs the padded per-sequence path it replaced
+Default: shared-prompt packing (train.update) vs the padded per-sequence path it replaced
 (`padded_update` below, one padded row per trajectory, every prompt computed G times), same
 model, same batch, interleaved in ONE process (old, new, old, new, ...), median of the per-pair
 ratios. Two batch shapes:
@@ -13,7 +13,7 @@ Prints `update_speedup_shared_prompt_tiny: X` and `update_speedup_shared_prompt_
     .venv/bin/python bench/train_step.py --device cuda [--shape qwen2.5-0.5b]   # bf16: peak memory, MFU
     .venv/bin/python bench/train_step.py --procs [--seqs 64] [--steps 3]         # 1 vs 2 processes (FSDP2, gloo)
 
---procs: tokens/s of policy_update.update, 1 process vs 2 processes (torchrun, FSDP2 over gloo), same
+--procs: tokens/s of train.update, 1 process vs 2 processes (torchrun, FSDP2 over gloo), same
 global batch; the 2-process run gives each rank a contiguous half, as train.py does.
 """
 import argparse
@@ -37,7 +37,7 @@ from trainer import distributed  # noqa: E402
 import grpo  # noqa: E402
 from trainer import packing  # noqa: E402
 from trainer import optim  # noqa: E402
-from trainer import policy_update  # noqa: E402
+import train  # noqa: E402
 from padded import pack, token_logprobs  # noqa: E402  (this folder: the padded reference)
 from model import Transformer  # noqa: E402
 from rollout import Trajectory  # noqa: E402
@@ -77,7 +77,7 @@ def group_batch(shape: str, groups: int, vocab: int, seed: int = 0) -> list:
 
 
 def measure(model_dir: str, seqs: int, steps: int) -> dict:
-    """Per-step seconds of policy_update.update on this rank's share (all ranks run this together)."""
+    """Per-step seconds of train.update on this rank's share (all ranks run this together)."""
     cfg = C.load_config([os.path.join(ROOT, "configs", "tiny.yaml")])
     rank, world, device = distributed.setup_dist()
     model = Transformer.from_pretrained(model_dir, dtype=torch.float32, device=device)
@@ -171,19 +171,19 @@ def padded_update(model, optimizer, scheduler, trajs, adv, cfg, device) -> dict:
         ids = packing.pad([trajs[i].ids for i in mb], 0, device)
         mask = packing.pad([trajs[i].loss_mask for i in mb], 0, device, torch.float32)[:, 1:]
         lp, ent = token_logprobs(model, ids, T)
-        inputs = policy_update.LossInputs(lp, lp.detach(), None, None, mask, adv[mb].to(device)[:, None] * mask,
-                                          torch.zeros_like(mask, dtype=torch.long), ent)
-        loss, _ = grpo.policy_loss(inputs, clip_low=g.clip_low, clip_high=g.clip_high, agg=g.loss_agg, norm=norm)
+        inputs = grpo.LossInputs(lp, lp.detach(), None, None, mask, adv[mb].to(device)[:, None] * mask,
+                                 torch.zeros_like(mask, dtype=torch.long), ent)
+        loss, _ = grpo.policy_loss(inputs, norm, g, cfg.sampling.max_context)
         loss.backward()
     return {"grad_norm": optim.step_optimizer(model, optimizer, scheduler, cfg.optim)}
 
 
 def packed_update(model, optimizer, scheduler, trajs, adv, cfg, world, device) -> float:
-    """The update as train.grpo_step runs it (packed): policy_update.update_policy (old logprobs when
+    """The update as train.grpo_step runs it (packed): train.update (old logprobs when
     needed, then per mini-batch the update and the optimizer step). Returns the last step's gradient norm."""
     per_token = [adv[i].expand(len(t.token_turns())).clone() for i, t in enumerate(trajs)]
-    m = policy_update.update_policy(model, None, optimizer, scheduler, trajs, per_token,
-                                    grpo.PolicyLoss(cfg.grpo, cfg.sampling.max_context), cfg, world, device)
+    m = train.update(train.Run(model, None, None, optimizer, scheduler, None, cfg, None, 0, world, device),
+                     trajs, per_token)
     return m["grad_norms"][-1]
 
 

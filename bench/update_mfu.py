@@ -1,5 +1,5 @@
 """MFU of the real GRPO update at the 7B recipe's shape: what one micro-batch and one optimizer
-step of policy_update.update cost, against the FLOPs of the useful work.
+step of train.update cost, against the FLOPs of the useful work.
 
 The batch: units of one shared prompt and G responses (each response: a sampled turn, an
 observation that is context but not loss, a second sampled turn), packed by packing.plan into
@@ -9,7 +9,7 @@ fp32 masters sharded by distributed.shard (FSDP2 on a one-rank mesh), bf16 compu
 (fp32 on CPU, where bf16 matmuls are emulated and ~50x slower), activation checkpointing, the LM
 head only on the loss tokens (`loss_index`), configs/skyrl_sql_7b.yaml's loss and optimizer. A
 micro-batch is packing.forward + grpo.policy_loss + backward (packed_attention.for_rows: CUDA,
-FlexAttention with packed_attention.block_mask; CPU, per-sequence causal SDPA rows); a step is policy_update.update over
+FlexAttention with packed_attention.block_mask; CPU, per-sequence causal SDPA rows); a step is train.update over
 `--micro-batches` rows (forward/backward of each, clip, AdamW).
 
 FLOPs (per multiply-add: 2 in forward, 4 in backward; N = parameters without the input embedding
@@ -53,7 +53,7 @@ import grpo  # noqa: E402
 from trainer import optim  # noqa: E402
 from trainer import packed_attention  # noqa: E402
 from trainer import packing  # noqa: E402
-from trainer import policy_update  # noqa: E402
+import train  # noqa: E402
 from long_microbatch import PEAK_BF16_FLOPS, SHAPES  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from rollout import Trajectory  # noqa: E402
@@ -66,7 +66,7 @@ BYTES_PER_PARAM = 20  # fp32 master + fp32 grad + two AdamW moments + foreach Ad
 
 
 def unit(rng: random.Random, vocab: int, prompt: int, group: int, response: int, obs_frac: float) -> list:
-    """One prompt's G trajectories (policy_update.update's fields): sampled turn, observation, sampled turn."""
+    """One prompt's G trajectories (train.update's fields): sampled turn, observation, sampled turn."""
     prompt_ids = [rng.randrange(vocab) for _ in range(prompt)]
     obs = int(response * obs_frac)
     first = (response - obs) // 2
@@ -201,7 +201,7 @@ def causal_kernel():
 
 
 def microbatch_pass(model, mb, cfg, device, sync) -> float:
-    """Seconds of one micro-batch as policy_update.update runs it: forward, LossInputs, policy loss, backward."""
+    """Seconds of one micro-batch as train.update runs it: forward, LossInputs, policy loss, backward."""
     model.zero_grad(set_to_none=True)
     sync()
     start = time.perf_counter()
@@ -209,19 +209,18 @@ def microbatch_pass(model, mb, cfg, device, sync) -> float:
     lp, ent = packing.pad_flat(lp_flat, mb.counts), packing.pad_flat(ent_flat, mb.counts)
     mask = packing.pad_flat(torch.ones_like(lp_flat.detach()), mb.counts)
     adv = torch.tensor([(-1.0) ** i for i in range(len(mb.counts))], device=device)[:, None] * mask
-    inputs = policy_update.LossInputs(lp, lp.detach(), None, None, mask, adv, torch.zeros_like(mask, dtype=torch.long), ent)
-    loss, _ = grpo.policy_loss(inputs, norm=float(mask.sum()), **grpo.loss_kwargs(cfg.grpo, cfg.sampling.max_context))
+    inputs = grpo.LossInputs(lp, lp.detach(), None, None, mask, adv, torch.zeros_like(mask, dtype=torch.long), ent)
+    loss, _ = grpo.policy_loss(inputs, float(mask.sum()), cfg.grpo, cfg.sampling.max_context)
     loss.backward()
     sync()
     return time.perf_counter() - start
 
 
 def optimizer_step(model, opt, sched, trajs, adv, cfg, device):
-    """One optimizer step of the update as train.grpo_step runs it: policy_update.update_policy over
+    """One optimizer step of the update as train.grpo_step runs it: train.update over
     every micro-batch (one mini-batch), then optim.step_optimizer (clip + AdamW)."""
     per_token = [adv[i].expand(len(t.token_turns())).clone() for i, t in enumerate(trajs)]
-    policy_update.update_policy(model, None, opt, sched, trajs, per_token,
-                                grpo.PolicyLoss(cfg.grpo, cfg.sampling.max_context), cfg, 1, device)
+    train.update(train.Run(model, None, None, opt, sched, None, cfg, None, 0, 1, device), trajs, per_token)
 
 
 def peak_gib(cuda: bool) -> float:
@@ -389,7 +388,7 @@ def main():
         ratio = statistics.median(m / c for m, c in zip(times["mask"], times["causal"]))
         print(f"  mask / causal time: {ratio:.2f} (median of interleaved pairs)")
 
-    # one optimizer step: policy_update.update over all micro-batches (clip + AdamW included)
+    # one optimizer step: train.update over all micro-batches (clip + AdamW included)
     adv = torch.tensor([(-1.0) ** i for i in range(len(trajs))])
     model.zero_grad(set_to_none=True)
     optimizer_step(model, opt, sched, trajs, adv, cfg, device)  # warm-up: AdamW states
@@ -404,7 +403,7 @@ def main():
         steps.append(time.perf_counter() - start)
     step_count = {k: sum(c[k] for c in counts) for k in ("useful", "hardware")}
     print(f"per optimizer step ({len(mbs)} micro-batches, median of {a.iters}):")
-    step_mfu, step_hw, step_flops = report("policy_update.update", statistics.median(steps), step_count)
+    step_mfu, step_hw, step_flops = report("train.update", statistics.median(steps), step_count)
 
     print(f"update_microbatch_s: {statistics.median(times['mask']):.3f}")
     print(f"update_hw_mfu_microbatch: {mb_hw:.4g}")

@@ -45,27 +45,38 @@ def build_tiny_assets(d: Path) -> list[str]:
     return settings
 
 
-def loss_of(logp, old, adv, mask, *, ref_logp=None, rollout_logp=None, entropy=None, turns=None, **kw):
+def loss_of(logp, old, adv, mask, *, norm, ref_logp=None, rollout_logp=None, entropy=None, turns=None,
+            max_len=0, agg=None, rollout_is=None, **grpo_keys):
     """grpo.policy_loss on loose (B, T) tensors, packed into the LossInputs the update builds.
-    adv: (B,) per sequence (expanded over its tokens) or (B, T) per token; kw: policy_loss's."""
+    adv: (B,) per sequence (expanded over its tokens) or (B, T) per token; grpo_keys: grpo config
+    keys (loss, clip_low, clip_high, dual_clip_c, kl_beta, ...) over GRPOConfig's defaults; agg:
+    grpo.loss_agg; rollout_is: a rollout_correction.RolloutIS (its kind and bounds)."""
+    import dataclasses
+
     import torch
 
     import grpo
-    from trainer.policy_update import LossInputs
+    from config import GRPOConfig
     adv = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv
     turns = torch.zeros_like(mask, dtype=torch.long) if turns is None else turns
-    return grpo.policy_loss(LossInputs(logp, old, ref_logp, rollout_logp, mask, adv, turns, entropy), **kw)
+    if agg is not None:
+        grpo_keys["loss_agg"] = agg
+    if rollout_is is not None:
+        grpo_keys.update(rollout_is=rollout_is.kind, rollout_is_cap=rollout_is.cap, rollout_is_low=rollout_is.low,
+                         rollout_is_high=rollout_is.high, rollout_is_delta=rollout_is.delta)
+    g = dataclasses.replace(GRPOConfig(), **grpo_keys)
+    inputs = grpo.LossInputs(logp, old, ref_logp, rollout_logp, mask, adv, turns, entropy)
+    return grpo.policy_loss(inputs, norm, g, max_len)
 
 
 def grpo_update(model, ref_model, optimizer, scheduler, trajs, adv, cfg, world=1, device="cpu") -> dict:
-    """One GRPO update as train.grpo_step runs it (policy_update.update_policy with grpo.PolicyLoss),
-    on given trajectories and per-trajectory advantages adv (n,) (each spread over its loss tokens,
-    grpo.token_advantages' default credit). Returns update_policy's metrics."""
+    """One GRPO update as train.grpo_step runs it (train.update: mini-batches, packed micro-batches,
+    grpo.policy_loss, backward, optimizer steps), on given trajectories and per-trajectory advantages
+    adv (n,) (each spread over its loss tokens, grpo.token_advantages' default credit). Returns the
+    update's metrics."""
     import torch
 
-    import grpo
-    from trainer import policy_update
+    import train
     per_token = [adv[i].expand(len(t.token_turns())).clone() for i, t in enumerate(trajs)]
-    return policy_update.update_policy(model, ref_model, optimizer, scheduler, trajs, per_token,
-                                       grpo.PolicyLoss(cfg.grpo, cfg.sampling.max_context), cfg, world,
-                                       torch.device(device))
+    run = train.Run(model, ref_model, None, optimizer, scheduler, None, cfg, None, 0, world, torch.device(device))
+    return train.update(run, trajs, per_token)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import loss_of
-from grpo import AGGS, DEFAULT_CLIP, LOSSES, clip_range, global_norm, loss_kwargs, policy_loss
+from grpo import AGGS, DEFAULT_CLIP, LOSSES, LossInputs, clip_range, global_norm, policy_loss
 from config import GRPOConfig
 from trainer.rollout_correction import KINDS, RolloutIS
 
@@ -142,7 +142,7 @@ def test_cispo_hand_values_and_gradients():
 # defaults and the config
 
 
-def test_clip_defaults_per_loss_and_loss_kwargs():
+def test_clip_defaults_per_loss_and_the_config_group():
     assert clip_range("grpo", -1, -1) == (0.2, 0.2)
     assert clip_range("gspo", -1, -1) == (3e-4, 4e-4) == clip_range("gspo-token", -1.0, -1.0)
     assert clip_range("cispo", -1, -1) == (1.0, 0.28)
@@ -153,11 +153,12 @@ def test_clip_defaults_per_loss_and_loss_kwargs():
     logp, old, adv, mask = rows_of([[0.001, 0.001]], [1])
     loss, _ = loss_of(logp, old, adv, mask, loss="gspo", clip_low=-1, clip_high=-1, norm=2)
     assert approx(loss, -(1 + 4e-4))
-    g = GRPOConfig(loss="cispo", rollout_is="seq-tis", rollout_is_cap=3.0, loss_agg="drgrpo")
-    kw = loss_kwargs(g, max_len=99)
-    assert kw["loss"] == "cispo" and kw["agg"] == "drgrpo" and kw["max_len"] == 99
-    assert kw["rollout_is"] == RolloutIS("seq-tis", cap=3.0)
-    assert set(kw) <= set(policy_loss.__kwdefaults__) | {"clip_low", "clip_high", "norm"}
+    # Dr. GRPO's L: sampling.max_context (the max_len argument) unless grpo.drgrpo_max_len is set.
+    # One token of A = 1, ratio 1: loss -1 / (norm · L)
+    logp, old, adv, mask = rows_of([[0.0]], [1])
+    inputs = LossInputs(logp, old, None, None, mask, adv[:, None].expand_as(logp), torch.zeros_like(mask).long(), None)
+    assert approx(policy_loss(inputs, 2.0, GRPOConfig(loss_agg="drgrpo"), 99)[0], -1 / (2 * 99))
+    assert approx(policy_loss(inputs, 2.0, GRPOConfig(loss_agg="drgrpo", drgrpo_max_len=7), 99)[0], -1 / (2 * 7))
 
 
 # -----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""LoRA through the trainer: policy_update.update on an FSDP2 LoRA model with merged-weight rollouts
+"""LoRA through the trainer: train.update on an FSDP2 LoRA model with merged-weight rollouts
 moves only the adapters (the base stays bit-identical, AdamW holds nothing else), and its
 checkpoint's adapter/ loads in PEFT with our logits; model.lora_dropout changes the update's
 loss but not old-logprob scoring; a train.py LoRA run that learns, with dropout, resumes exactly
@@ -32,11 +32,11 @@ PEFT_MISSING = "peft not installed (pip install peft: a test-only dependency, se
 
 
 # -----------------------------------------------------------------------------
-# in process: policy_update.update on a sharded LoRA model
+# in process: train.update on a sharded LoRA model
 
 
 def test_lora_update_trains_only_adapters(tmp_path):
-    """A few GRPO updates through policy_update.update (reward = fraction of sampled tokens in the lower
+    """A few GRPO updates through train.update (reward = fraction of sampled tokens in the lower
     half of the vocabulary: dense, so every group has a signal), rollouts on the sampler's copy
     with the adapters merged (PolicySampler.refresh, as train.py): every adapter B moves, the base stays bit-identical,
     AdamW holds exactly the adapters, and the policy's logits move away from the base's.
@@ -99,7 +99,7 @@ def test_lora_update_trains_only_adapters(tmp_path):
 
 
 def dropout_update(tmp_path, dropout: float, monkeypatch):
-    """One rollout batch (fixed trajectories and advantages) through policy_update.update with 2
+    """One rollout batch (fixed trajectories and advantages) through train.update with 2
     mini-batches on a sharded LoRA model with model.lora_dropout = dropout, seeded. Returns
     (the adapters after, [(grad enabled, model.training) at every packing.forward call])."""
     if not (tmp_path / "config.json").exists():

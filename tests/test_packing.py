@@ -1,5 +1,5 @@
 """Shared-prompt packing (trainer/packing.py) against the padded per-sequence path it replaces: the same
-per-token logprobs and entropies, and through policy_update.update the same loss and gradients for every
+per-token logprobs and entropies, and through train.update the same loss and gradients for every
 loss aggregation, ppo_epochs × mini_batches, kl_beta > 0, activation checkpointing, multi-turn
 trajectories (observation tokens masked), groups that fall back to the plain layout. ~60 s.
 
@@ -119,7 +119,7 @@ def test_fp32_lm_head_matches_fp32_model_in_bf16():
 
 
 # -----------------------------------------------------------------------------
-# policy_update.update_policy: packed gradients equal the padded per-sequence reference
+# train.update: packed gradients equal the padded per-sequence reference
 
 
 class Capture:
@@ -156,8 +156,9 @@ def reference_update(model, ref_model, trajs, adv, cfg):
             old_lp = packing.pad([old[i].tolist() for i in idx], 0.0, "cpu", torch.float32) if need_old else lp.detach()
             ref_lp = packing.pad([ref[i].tolist() for i in idx], 0.0, "cpu", torch.float32) if ref else None
             rollout_lp = packing.pad([trajs[i].logprobs[1:] for i in idx], 0.0, "cpu", torch.float32)
-            loss, _ = loss_of(lp, old_lp, adv[idx], mask, ref_logp=ref_lp, rollout_logp=rollout_lp,
-                              norm=norm, entropy=ent, **grpo.loss_kwargs(g, cfg.sampling.max_context))
+            adv_tokens = adv[idx][:, None].expand_as(lp)
+            inputs = grpo.LossInputs(lp, old_lp, ref_lp, rollout_lp, mask, adv_tokens, torch.zeros_like(mask).long(), ent)
+            loss, _ = grpo.policy_loss(inputs, norm, g, cfg.sampling.max_context)
             loss.backward()
             grads.append([p.grad.clone() for p in model.parameters()])
             # the same (plain SGD) step update() takes, so later mini-batches see the same weights

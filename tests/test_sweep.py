@@ -129,7 +129,7 @@ def test_real_sweep_of_two_points_then_resume(assets, tmp_path, capsys):
         saved = yaml.safe_load((d / "ckpt_000001" / "config.yaml").read_text())  # the run's resolved config
         assert saved["grpo"]["loss"] == loss and saved["train"]["seed"] == 3 and saved["train"]["threads"] == 1
         assert set(sweep.eval_curve(d)) == {0, 1}  # before GRPO and after the last step
-        # rollout/trainer consistency through the real sampler and policy_update.update: in fp32 on CPU the
+        # rollout/trainer consistency through the real sampler and train.update: in fp32 on CPU the
         # sampler's recorded logprobs equal the trainer's on every response token
         recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
         mism = [r for r in recs if "train/mismatch_abs_max" in r]

@@ -40,7 +40,7 @@ def tiny_model(tmp_path_factory):
 
 def test_grpo_update_raises_reward_on_trivial_task(tiny_model):
     """Reward = fraction of sampled tokens equal to one target token. A handful of GRPO updates
-    through policy_update.update (the real loss, masks and normaliser) must raise it clearly."""
+    through train.update (the real loss, masks and normaliser) must raise it clearly."""
     path, tok = tiny_model
     torch.manual_seed(0)
     model = Transformer.from_pretrained(path)
@@ -561,7 +561,7 @@ class ScriptedSampler:
 
 def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *args):
     """train.main with the scripted sampler; the update records the episodes and advantages it is
-    given (policy_update.update, per mini-batch); optim.step_optimizer returns the next of
+    given (train.update, per mini-batch); optim.step_optimizer returns the next of
     `grad_norms` and, when finite, moves every weight (a skipped step moves none). Returns (the
     sampler, [(tags, advantages) per update])."""
     from reward import Reward
@@ -584,9 +584,11 @@ def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *arg
     monkeypatch.setattr(sft, "evaluate", lambda *a, **k: {"eval/ex": 0.0})
     monkeypatch.setattr(train, "evaluate", lambda *a, **k: {"eval/ex": 0.0})
     monkeypatch.setattr(train, "report_random_floor", lambda *a, **k: None)
-    monkeypatch.setattr(policy_update, "batch_tokens", lambda model, ref, trajs, advantages, cfg, device: advantages)
-    monkeypatch.setattr(policy_update, "update", lambda model, trajs, idx, adv, loss, cfg, world, device, sums:
-                        updates.append(([trajs[i].tag for i in idx], [float(adv[i][0]) for i in idx])))
+    given = {}  # the advantages train.update was handed; each mini-batch records its share of them
+    monkeypatch.setattr(policy_update, "batch_tokens", lambda model, ref, trajs, advantages, cfg, device:
+                        given.update(advantages=advantages))
+    monkeypatch.setattr(policy_update, "micro_batches", lambda model, trajs, idx, cfg, device: iter(updates.append(
+        ([trajs[i].tag for i in idx], [float(given["advantages"][i][0]) for i in idx])) or ()))
     monkeypatch.setattr(optim, "step_optimizer", step_optimizer)
     monkeypatch.setattr(sys, "argv", ["train.py", "configs/tiny.yaml", *assets, "--sft.steps=0", "--train.threads=0",
                                       "--train.eval_every=0", "--train.sample_every=0", "--data.max_train_examples=16",

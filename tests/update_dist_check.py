@@ -1,11 +1,11 @@
-"""2-rank check of policy_update.update on packed micro-batches (launched by tests/test_packing.py).
+"""2-rank check of train.update on packed micro-batches (launched by tests/test_packing.py).
 
     CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 tests/update_dist_check.py REF.pt
 
 REF.pt: `torch.save([reference(case) for case in CASES], path)`, computed in one plain process.
 
 Every rank builds the same model and the same global batch of multi-turn GRPO groups. The
-reference is policy_update.update on a plain model over the whole batch in one process. Each rank runs policy_update.update on an FSDP2-sharded copy over its contiguous share (as train.py splits
+reference is train.update on a plain model over the whole batch in one process. Each rank runs train.update on an FSDP2-sharded copy over its contiguous share (as train.py splits
 a batch), the two shares having different groups, token counts and micro-batch counts (the rank
 with fewer runs dummy passes). The optimizer records the gathered gradients instead of stepping:
 they must equal the 1-process ones for every case (loss aggregation, ppo_epochs × mini_batches,

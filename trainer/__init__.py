@@ -1,6 +1,6 @@
 """The trainer's plumbing, used by train.py, sft.py and eval.py (it imports nothing from the top-level files).
 
-    policy_update.py      the update of a batch: LossInputs per micro-batch, the loss's backward, optimizer steps
+    policy_update.py      the update's plumbing: old/ref logprobs once, mini-batches, packed micro-batches, metric sums
     packing.py            a prompt and its G responses packed into padding-free rows; logprobs of loss tokens
     packed_attention.py   who attends to whom inside a packed row (CPU: per-sequence SDPA; CUDA: FlexAttention)
     distributed.py        process group, FSDP2 sharding, collectives, the per-device memory estimate

@@ -1,17 +1,18 @@
-"""The GRPO update of one batch of episodes (train.grpo_step calls update_policy):
+"""The update's plumbing: what train.update (the update of one batch: its loop reads top to bottom
+there, each micro-batch's packed forward, grpo.loss_inputs, grpo.policy_loss, backward, then the
+optimizer step) needs around the loss:
 
-    metrics = update_policy(model, ref_model, optimizer, scheduler, trajs, advantages, loss, cfg, world, device)
-    # = tokens = batch_tokens(model, ref_model, trajs, advantages, cfg, device)    # per sequence, once
-    #   for idx in mini_batches(len(trajs), cfg.grpo):                  # ppo_epochs x mini_batches slices
-    #       update(model, trajs, idx, tokens, loss, cfg, world, device, sums)   # forward, loss, backward
-    #       optim.step_optimizer(model, optimizer, scheduler, cfg.optim)      # then the optimizer step
+    tokens = batch_tokens(model, ref_model, trajs, advantages, cfg, device)   # per sequence, once per batch
+    for idx in mini_batches(len(trajs), cfg.grpo):                            # ppo_epochs x mini_batches slices
+        masks = loss_masks(trajs, idx)                                        # -> grpo.global_norm (a collective)
+        for mb in micro_batches(model, trajs, idx, cfg, device):              # packed; every rank as many
+            ...                                                               # forward, loss, backward
+    metrics.add(loss_metrics, mask); metrics.grad_norms.append(...); metrics.summary()
 
-Per micro-batch, the loss sees one LossInputs: (B, T) tensors, row b one sequence's loss tokens
-(its sampled tokens, in order). `loss` is grpo.PolicyLoss (anything with `norm(masks)` and
-`__call__(inputs, norm) -> (loss, metrics)`): this file packs, scores and accumulates, and never
-decides what the loss or the credit is. Sequences are packed (trainer/packing.py: a prompt and its G
-responses computed once, logprobs of the loss tokens only); every rank runs as many micro-batch
-passes (distributed.each_micro_batch).
+This file packs, scores the old and reference logprobs, and sums metrics; it never decides what
+the loss or the credit is. Sequences are packed (trainer/packing.py: a prompt and its G responses
+computed once, logprobs of the loss tokens only); every rank runs as many micro-batch passes
+(distributed.each_micro_batch).
 Tests: .venv/bin/pytest tests/test_packing.py (against the padded per-sequence reference)
 """
 from __future__ import annotations
@@ -23,24 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer import optim
 from trainer import packing
 from trainer.distributed import each_micro_batch
-
-
-@dataclass
-class LossInputs:
-    """The policy loss's inputs for one micro-batch, each (B, T): row b holds one sequence's loss
-    tokens (the tokens it sampled), in order, zero-padded at the end (mask 0 there)."""
-    logprobs: Tensor  # log π_θ(y_t) of the policy being trained (the gradient flows through it)
-    old_logprobs: Tensor  # log π_old(y_t), the policy before this update (one optimizer step per
-    #                       batch: logprobs.detach(), so every ratio is 1)
-    ref_logprobs: Tensor | None  # the frozen KL reference's (None: no KL term, grpo.kl_beta 0)
-    sampler_logprobs: Tensor  # the sampler's own log π_rollout(y_t) (rollout/trainer mismatch, grpo.rollout_is)
-    mask: Tensor  # 1.0 on loss tokens, 0.0 on padding
-    advantages: Tensor  # each token's advantage (grpo.token_advantages: the credit)
-    turns: Tensor  # long: each token's turn in its episode (0 = the first)
-    entropy: Tensor  # the policy's entropy at each token (a metric)
 
 
 @contextlib.contextmanager
@@ -69,21 +54,6 @@ def logprobs_of(model, mbs, temperature: float, device) -> dict[int, torch.Tenso
             lp, _ = packing.forward(model, mb, device, temperature)
             out.update(zip(mb.members, lp.split(mb.counts)))
     return out
-
-
-def loss_inputs(logprobs: Tensor, entropy: Tensor, counts: list[int], members: list[int],
-                tokens: "BatchTokens") -> LossInputs:
-    """A micro-batch's LossInputs: the packed forward's flat loss tokens (N,) (counts[k] of them for
-    sequence members[k]) and the batch's per-sequence values, laid out (members, longest)."""
-    def rows(per_seq: dict) -> Tensor:
-        return packing.pad_flat(torch.cat([per_seq[i] for i in members]), counts)
-    lp = packing.pad_flat(logprobs, counts)
-    return LossInputs(logprobs=lp, old_logprobs=rows(tokens.old) if tokens.old is not None else lp.detach(),
-                      ref_logprobs=rows(tokens.ref) if tokens.ref is not None else None,
-                      sampler_logprobs=rows(tokens.sampler),
-                      mask=packing.pad_flat(torch.ones_like(logprobs.detach()), counts),
-                      advantages=rows(tokens.advantages), turns=rows(tokens.turns),
-                      entropy=packing.pad_flat(entropy, counts))
 
 
 def mini_batches(n: int, g) -> list[list[int]]:
@@ -131,45 +101,45 @@ def _sequences(trajs):
     return seqs, prompt_lens
 
 
-def update(model, trajs, idx: list[int], tokens: BatchTokens, loss, cfg, world: int, device,
-           sums: dict) -> None:
-    """One mini-batch (trajectories idx) of the update: packed micro-batches, each forward, its
-    LossInputs, the loss and backward, gradients accumulated for the optimizer step that follows.
-    loss: grpo.PolicyLoss (norm(masks) once: the global normaliser; then loss(inputs, norm)).
-    sums: {metric: [sum over loss tokens, loss tokens]}, added to (token-weighted means over the
-    step's micro-batches)."""
-    T = cfg.sampling.temperature
+def loss_masks(trajs, idx: list[int]) -> list[Tensor]:
+    """The loss masks of trajectories idx (each (len(ids) - 1,): token t+1 is a loss token), what
+    grpo.global_norm counts for the optimizer step's normaliser."""
+    return [torch.tensor(trajs[i].loss_mask[1:], dtype=torch.float32) for i in idx]
+
+
+def micro_batches(model, trajs, idx: list[int], cfg, device):
+    """The packed micro-batches of trajectories idx (packing.MicroBatch; its members index into
+    idx), yielded with the model in training mode (dropout on: the loss's forwards) and every rank
+    running as many passes (each_micro_batch). The caller runs each forward and backward before
+    asking for the next."""
     seqs, prompt_lens = _sequences(trajs)
-    norm = loss.norm([torch.tensor(seqs[i][1][1:], dtype=torch.float32) for i in idx])  # a collective
     mbs = packing.plan([seqs[i] for i in idx], [prompt_lens[i] for i in idx], cfg.optim.micro_batch_tokens,
                        cfg.optim.pack_row_tokens)
-    with training_mode(model, True):  # the loss forwards run with dropout (logprobs_of turns it off)
-        for mb in each_micro_batch(model, mbs, device, backward=True):
-            lp_flat, ent_flat = packing.forward(model, mb, device, T)  # (N,) loss tokens only
-            inputs = loss_inputs(lp_flat, ent_flat, mb.counts, [idx[j] for j in mb.members], tokens)
-            out, m = loss(inputs, norm)
-            (out * world).backward()  # FSDP2 averages gradients over ranks; ×world makes it a sum
-            w = float(inputs.mask.sum())
-            for key, v in m.items():
-                acc = sums.setdefault(key, [0.0, 0.0])
-                acc[0] += float(v) * w
-                acc[1] += w
+    with training_mode(model, True):
+        yield from each_micro_batch(model, mbs, device, backward=True)
 
 
-def update_policy(model, ref_model, optimizer, scheduler, trajs, advantages: list[Tensor], loss, cfg, world: int,
-                  device) -> dict:
-    """The whole update of one batch: batch_tokens once, then per mini-batch (ppo_epochs x
-    mini_batches) update and the optimizer step. advantages[i]: trajectory i's per loss token
-    (grpo.token_advantages); loss: grpo.PolicyLoss. Returns the update's metrics: each loss metric
-    token-weighted over the micro-batches, grad_norm (mean over the optimizer steps),
-    grad_norm_max, skipped (1.0 when a step saw a non-finite norm and did not step) and
-    grad_norms (the list)."""
-    sums, grad_norms = {}, []  # {metric: [token-weighted sum, tokens]}; one norm per optimizer step
-    tokens = batch_tokens(model, ref_model, trajs, advantages, cfg, device)  # old / ref, once per batch
-    for idx in mini_batches(len(trajs), cfg.grpo):
-        update(model, trajs, idx, tokens, loss, cfg, world, device, sums)  # forward, loss, backward
-        grad_norms.append(optim.step_optimizer(model, optimizer, scheduler, cfg.optim))  # non-finite: skipped
-    m = {k: v / max(w, 1e-9) for k, (v, w) in sums.items()}
-    m.update(grad_norm=sum(grad_norms) / len(grad_norms), grad_norm_max=max(grad_norms),
-             skipped=float(not all(math.isfinite(x) for x in grad_norms)), grad_norms=grad_norms)
-    return m
+class UpdateMetrics:
+    """The update's metrics over its micro-batches and optimizer steps: each loss metric weighted by
+    its micro-batch's loss tokens (add), and one gradient norm per optimizer step (grad_norms)."""
+
+    def __init__(self):
+        self.sums: dict[str, list[float]] = {}  # {metric: [token-weighted sum, tokens]}
+        self.grad_norms: list[float] = []
+
+    def add(self, metrics: dict[str, Tensor], mask: Tensor) -> None:
+        tokens = float(mask.sum())
+        for key, value in metrics.items():
+            acc = self.sums.setdefault(key, [0.0, 0.0])
+            acc[0] += float(value) * tokens
+            acc[1] += tokens
+
+    def summary(self) -> dict:
+        """Each loss metric's token-weighted mean, grad_norm (mean over the optimizer steps),
+        grad_norm_max, skipped (1.0 when a step saw a non-finite norm and did not step) and
+        grad_norms (the list)."""
+        out = {key: total / max(tokens, 1e-9) for key, (total, tokens) in self.sums.items()}
+        norms = self.grad_norms
+        out.update(grad_norm=sum(norms) / len(norms), grad_norm_max=max(norms),
+                   skipped=float(not all(math.isfinite(x) for x in norms)), grad_norms=norms)
+        return out
