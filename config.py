@@ -8,7 +8,9 @@ and the closest valid ones.
     python config.py                      # print every key with its default
     python config.py configs/tiny.yaml    # print the resolved config of a file (+ overrides), checked
 Loading (YAML, overrides, types): trainer/config_loader.py; value ranges and consistency between
-keys: trainer/config_checks.py.
+keys: trainer/config_checks.py. Each comment below gives a key's meaning, unit and range; why a
+recipe sets the value it does is in its YAML file, and what was measured for each default in
+bench/RESULTS.md, section "Why the defaults".
 """
 from __future__ import annotations
 
@@ -31,28 +33,24 @@ def choice(default, *options, help=""):
 
 @dataclass
 class ModelConfig:
-    path: str = "runs/tiny/model"  # local HF folder (config.json + safetensors + tokenizer)
-    build_tiny: bool = True  # if `path` does not exist, build a tiny random model there
-    # compute dtype; weights, gradients and AdamW states are always fp32 (FSDP2 mixed precision)
+    path: str = "runs/tiny/model"  # local HF folder: config.json, safetensors, tokenizer (never downloaded)
+    build_tiny: bool = True  # build a tiny random model at `path` when the folder is absent (the toy recipes)
+    # compute dtype of every forward and backward; master weights, gradients and AdamW states stay fp32
     dtype: str = choice("float32", "float32", "bfloat16")
-    activation_checkpointing: bool = False
-    # FSDP2 units. block: each block its own unit, so only the running block's full weights are
-    # gathered (what a 7B needs on a GPU). model: one unit, gathered once per forward and
-    # reduce-scattered once per backward, instead of two all-gathers per block, one for the root
-    # and a reduce-scatter per unit, each with its hooks: for a model whose full weights fit every
-    # device many times over (the tiny model's SFT steps on 2 CPU ranks: 1.14x, bench/cpu_step.py
-    # --against block). Same shards and checkpoints either way.
+    activation_checkpointing: bool = False  # recompute each block's activations in backward (memory for time)
+    # FSDP2 sharding unit: block = one unit per decoder block (only the running block gathered: large
+    # models); model = one unit for the whole model (one gather per pass: small models). Same checkpoints
     fsdp_unit: str = choice("block", "block", "model")
-    fp32_lm_head: bool = False  # bf16 runs: LM head matmul + log-softmax of the loss in fp32
-    # LoRA (trainer/lora.py): 0 = full fine-tune; > 0 freezes the base and trains rank-r adapters
-    lora_rank: int = 0
-    lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
-    lora_dropout: float = 0.0  # on the adapters' input, training only
-    lora_targets: str = "q,k,v,o,gate,up,down"  # comma-separated subset of these seven
+    fp32_lm_head: bool = False  # bf16 runs: the LM head matmul and the loss's log-softmax in fp32
+    lora_rank: int = 0  # LoRA rank r (trainer/lora.py), >= 0; 0 = full fine-tune, > 0 freezes the base
+    lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank, > 0
+    lora_dropout: float = 0.0  # dropout on the adapters' input while training, in [0, 1)
+    lora_targets: str = "q,k,v,o,gate,up,down"  # comma-separated subset of these seven projections
     lora_save_merged: bool = False  # also write merged HF weights to ckpt_<step>/hf (adapter/ always)
-    # shape of the tiny model built when build_tiny and the folder is absent
+    # the tiny model built when build_tiny and `path` is absent: its family and shape (each >= 1;
+    # tiny_hidden_size / tiny_heads must be even: RoPE rotates pairs)
     tiny_family: str = choice("qwen2", "qwen2", "qwen3", "llama")
-    tiny_vocab_size: int = 1024
+    tiny_vocab_size: int = 1024  # BPE vocabulary trained on the run's own text
     tiny_hidden_size: int = 128
     tiny_layers: int = 4
     tiny_heads: int = 4
@@ -62,39 +60,38 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = "runs/toy/train.jsonl"  # canonical jsonl (see sqltask/dataset.py)
-    eval_path: str = "runs/toy/eval.jsonl"
-    db_root: str = "runs/toy"  # records' db_path is relative to this folder
-    prepare_toy: bool = True  # generate the toy set at db_root if train_path is absent
-    toy_seed: int = 0
-    prompt_template: str = choice("skyrl", "skyrl", "compact")
-    schema_sample_values: int = 0  # OmniSQL-style `-- example:` values per column
-    schema_max_tokens: int = 4000  # schema budget; truncation is reported, never silent
-    max_prompt_tokens: int = 6000  # longer prompts are dropped (SkyRL drops > 6000)
-    max_train_examples: int = 0  # 0 = all
-    max_eval_examples: int = 0  # 0 = all
+    train_path: str = "runs/toy/train.jsonl"  # canonical jsonl (sqltask/dataset.py)
+    eval_path: str = "runs/toy/eval.jsonl"  # held-out questions, same format
+    db_root: str = "runs/toy"  # folder the records' db_path is relative to
+    prepare_toy: bool = True  # generate the toy set at db_root when train_path is absent
+    toy_seed: int = 0  # the toy set's generator seed, >= 0
+    prompt_template: str = choice("skyrl", "skyrl", "compact")  # skyrl = CREATE TABLE DDL; compact = a line per table
+    schema_sample_values: int = 0  # OmniSQL-style `-- example:` values shown per column, >= 0
+    schema_max_tokens: int = 4000  # schema budget in tokens, >= 1; a cut schema is reported, never silent
+    max_prompt_tokens: int = 6000  # prompts longer than this many tokens are dropped (and counted), >= 1
+    max_train_examples: int = 0  # use the first N training records, >= 0; 0 = all
+    max_eval_examples: int = 0  # use the first N held-out records, >= 0; 0 = all
 
 
 @dataclass
 class EnvConfig:
-    protocol: str = choice("tags", "tags", "actions")  # SkyRL tags or sql_env actions
-    conversation: str = choice("single", "single", "conversation")  # obs inside one message or as user turns
-    max_turns: int = 6  # generations per episode (tool turns + final); tags protocol
-    step_budget: int = 12  # actions protocol: generations per episode (sql_env's step budget)
-    eos_steps_env: bool = False  # single format: a turn ending on EOS without a tag still gets the
-    #                              invalid-action observation and the episode goes on (SkyRL's generator)
-    tool_overlap_steps: int = 4  # engine steps a batch of tool calls runs beside decoding before
-    #                              its rows wait for it (a fixed count keeps the rollout deterministic)
-    tool_wait: str = choice("fixed", "fixed", "async")  # fixed: a tool batch is collected tool_overlap_steps
-    #   engine steps after it was submitted (the loop waits for it there; a reproducible schedule); async: rows
-    #   rejoin as soon as their results arrive and the loop waits only when nothing else can run (a slow query
-    #   stalls only its own rows; each row samples the same tokens, the engine's batches depend on timing)
-    tool_threads: int = 4  # async: tool batches stepped at once (a slow one does not hold the next in line)
-    tool_timeout_s: float = 5.0
-    max_result_rows: int = 50  # rows shown when the table is too long
-    fetch_rows: int = 10000  # rows fetched at most (memory bound)
-    max_obs_chars: int = 9000  # longer tables are cut to max_result_rows rows with a note
-    workers: int = 0  # SQL worker processes per rank; 0 = cores / ranks on this machine
+    protocol: str = choice("tags", "tags", "actions")  # tags = SkyRL's <sql>/<solution>; actions = sql_env's
+    conversation: str = choice("single", "single", "conversation")  # observations inside one message or as user turns
+    max_turns: int = 6  # tags: generations per episode (tool turns + the answer), >= 1; 1 = no tool
+    step_budget: int = 12  # actions: generations per episode, >= 1
+    eos_steps_env: bool = False  # single message: a turn ending on EOS with neither tag gets the
+    #                              invalid-action observation and the episode goes on (else it ends)
+    tool_overlap_steps: int = 4  # fixed wait: engine steps a tool batch runs beside decoding before its rows wait, >= 0
+    # when rows rejoin after a tool batch: fixed = tool_overlap_steps engine steps after it was
+    # submitted (a reproducible schedule); async = as soon as their results arrive (same tokens per
+    # row, batches depend on timing)
+    tool_wait: str = choice("fixed", "fixed", "async")
+    tool_threads: int = 4  # async: tool batches in flight at once, >= 1
+    tool_timeout_s: float = 5.0  # seconds one tool query may run, > 0
+    max_result_rows: int = 50  # rows shown when a result exceeds max_obs_chars, >= 1
+    fetch_rows: int = 10000  # rows fetched from SQLite at most (memory bound), >= 1
+    max_obs_chars: int = 9000  # characters of a result table shown before it is cut to max_result_rows, >= 1
+    workers: int = 0  # SQL worker processes per rank, >= 0; 0 = cores / ranks on this machine
     # observation strings (SkyRL-SQL's); env.py fills {result}, {turns_left}, {error}, {shown}, {total}
     obs_template: str = ("\n\n<observation>{result}\n<reminder>You have {turns_left} turns left to complete"
                          " the task.</reminder></observation>\n\n")
@@ -103,29 +100,22 @@ class EnvConfig:
     error_text: str = "Error executing SQL: {error}"
     timeout_text: str = "SQL Timeout"
     truncated_text: str = "Truncated to {shown} of {total} rows since returned response too long."
-    actions_max_result_rows: int = 20  # actions protocol: QUERY results cut to 20 rows (sql_env)
-    sample_rows: int = 5  # actions protocol: SAMPLE <table> = LIMIT 5
+    actions_max_result_rows: int = 20  # actions: rows of a QUERY result shown, >= 1
+    sample_rows: int = 5  # actions: rows SAMPLE <table> shows (LIMIT), >= 1
 
 
 @dataclass
 class RewardConfig:
-    mode: str = choice("set", "set", "bag", "spider")
-    timeout_s: float = 30.0
-    correct: float = 1.0
-    wrong: float = 0.0
-    format_error: float = -1.0
-    dense: bool = False  # actions protocol: sql_env's dense shaping
-    # actions + dense: pay the shaping only in episodes that end with an ANSWER. sql_env paid it in
-    # every episode; then a policy that never answers (budget spent on new DESCRIBE/QUERYs, each
-    # +0.025) outscores one that answers wrong after fewer calls, and GRPO drifts to no answer.
-    # false = sql_env's rule
-    dense_needs_answer: bool = True
-    # actions: the reward of an episode that never ANSWERs within env.step_budget (sql_env: 0, as a
-    # wrong answer). Below a wrong answer's, GRPO is pushed to answer: at 0, seed 1 of tiny_actions
-    # drifted to 19% of held-out episodes without an answer by step 32; at -1, 0.0%
-    no_answer: float = 0.0
+    mode: str = choice("set", "set", "bag", "spider")  # execution match: set (SkyRL), bag, spider (test-suite)
+    timeout_s: float = 30.0  # seconds a reward query (prediction or gold) may run, > 0
+    correct: float = 1.0  # reward of a well-formed answer whose result matches the gold's
+    wrong: float = 0.0  # ... that does not match
+    format_error: float = -1.0  # reward of an episode that breaks the format rules
+    dense: bool = False  # actions: add sql_env's per-step shaping (the dense_* keys)
+    dense_needs_answer: bool = True  # actions + dense: pay the shaping only in episodes that ANSWER
+    no_answer: float = 0.0  # actions: reward of an episode that never ANSWERs within env.step_budget
     keep_distinct: bool = False  # spider mode: compare with DISTINCT kept (the evaluator's --keep_distinct)
-    # dense shaping (reward.dense_shaping), per step; sql_env's values
+    # dense shaping per step (reward.dense_shaping; sql_env's values, any finite number)
     dense_step: float = -0.005  # every step's cost
     dense_repeat: float = -0.01  # an action repeated (same kind and argument): earns nothing else
     dense_exec_ok: float = 0.02  # a new action that ran
@@ -138,160 +128,126 @@ class RewardConfig:
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 3000  # per turn
-    max_context: int = 29000  # prompt + all turns
-    kv_budget_tokens: int = 1_000_000  # KV cache tokens per rank: rows run while their blocks fit
-    block_size: int = 16  # tokens per KV cache block (the unit of paging and prompt sharing)
-    max_decode_rows: int = 0  # most sequences decoding at once; 0 = as many as the KV budget holds
+    temperature: float = 0.6  # sampling temperature of rollouts, > 0; the trainer divides logits by it
+    top_p: float = 0.95  # nucleus, in (0, 1]
+    top_k: int = 0  # keep the k most likely tokens, >= 0; 0 = off
+    max_new_tokens: int = 3000  # tokens one turn may generate, >= 1
+    max_context: int = 29000  # tokens of prompt + every turn and observation, >= 2
+    kv_budget_tokens: int = 1_000_000  # KV cache tokens per rank, >= 1: rows run while their blocks fit
+    block_size: int = 16  # tokens per KV cache block (the unit of paging and prompt sharing), >= 1
+    max_decode_rows: int = 0  # sequences decoding at once, >= 0; 0 = as many as the KV budget holds
     cuda_graphs: bool = True  # CUDA: replay the whole decode step from captured graphs (ignored on CPU)
-    # CUDA graphs: compile the decode step (inductor) before capturing it, to fuse the norms, RoPE,
-    # slot arithmetic and sampling into a few kernels instead of ~40 small ones per layer. Off: on the
-    # H200 (torch 2.11) inductor has not yet lowered FlexAttention inside the step, so the compile
-    # failed and fell back after ~45 s (bench/RESULTS.md, fourth GPU session); on for measuring it
-    compile_decode: bool = False
-    prefill_tokens: int = 16384  # padded tokens per prefill forward: bounds its activations
-    # how a decode step reads the paged KV cache (paged_attention.py): flex = FlexAttention over the
-    # blocks in place, gather = copy each row's blocks out then SDPA (the reference); auto = flex on CUDA
+    compile_decode: bool = False  # CUDA graphs: compile the decode step (inductor) before capturing it
+    prefill_tokens: int = 16384  # padded tokens per prefill forward (bounds its activations), >= 1
+    # how a decode step reads the paged KV cache: flex = FlexAttention over the blocks in place,
+    # gather = copy each row's blocks out then SDPA (the reference); auto = flex on CUDA, gather elsewhere
     paged_attention: str = choice("auto", "auto", "gather", "flex")
-    # decode steps run on the device between two host reads of the sampled tokens (1 = every step);
-    # a row that ends its turn inside a window idles for the rest of it. 0 = by device: 8 on CUDA
-    # (a host read costs a sync there), 1 elsewhere (on CPU the read is cheap and every idle row still
-    # costs its share of each forward: windows of 8 ran 168 forwards where 1 ran 90, toy rollout)
-    decode_steps_per_sync: int = 0
-    eval_temperature: float = 0.0  # 0 = greedy
+    decode_steps_per_sync: int = 0  # decode steps between host reads, >= 0; 0 = by device (8 CUDA, 1 CPU)
+    eval_temperature: float = 0.0  # evaluation temperature, >= 0; 0 = greedy
 
 
 @dataclass
 class GRPOConfig:
-    group_size: int = 5  # samples per prompt (n)
-    prompts_per_step: int = 256  # global, over all ranks
+    group_size: int = 5  # samples per prompt (G), >= 2
+    prompts_per_step: int = 256  # prompts per step over all ranks, >= 1
+    # advantage normalisation: group = (R - mean_G) / (std_G + eps); batch = std over the batch; none = R - mean_G
     advantage: str = choice("group", "group", "batch", "none")
-    adv_eps: float = 1e-6
+    adv_eps: float = 1e-6  # the eps above, > 0
     loss: str = choice("grpo", "grpo", "gspo", "gspo-token", "cispo",
                        help="grpo = PPO-clip per token; gspo(-token) = sequence ratio; cispo = clipped IS weight")
-    clip_low: float = -1.0  # < 0: the loss's default (grpo 0.2, gspo 3e-4, cispo 1.0 = no lower bound)
-    clip_high: float = -1.0  # < 0: the loss's default (grpo 0.2, gspo 4e-4, cispo 0.28); 0.28 = DAPO clip-higher
-    dual_clip_c: float = 0.0  # 0 = off; 3.0 = dual-clip
-    kl_beta: float = 0.0  # > 0 loads a frozen reference model (k3 KL)
+    clip_low: float = -1.0  # ε_low of the ratio clip; < 0 = the loss's default (grpo 0.2, gspo 3e-4, cispo 1.0)
+    clip_high: float = -1.0  # ε_high; < 0 = the loss's default (grpo 0.2, gspo 4e-4, cispo 0.28); 0.28 = DAPO
+    dual_clip_c: float = 0.0  # dual-clip bound c for negative advantages, 0 = off, else > 1 (3.0 in verl)
+    kl_beta: float = 0.0  # weight of the k3 KL to a frozen reference, >= 0; > 0 loads the reference
+    # loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, drgrpo (sum / (B·L))
     loss_agg: str = choice("token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo")
-    drgrpo_max_len: int = 0  # L in Dr. GRPO's sum/(B*L); 0 = max_context
-    # sampler vs trainer logprob correction (trainer/rollout_correction.py): weight min(r, cap) or drop
-    # outside [low, high] with r = π_old/π_rollout per token or per sequence; geo-mask drops a
-    # sequence whose geometric-mean r leaves [1 - delta, 1 + delta]
+    drgrpo_max_len: int = 0  # L of drgrpo's sum / (B·L), tokens, >= 0; 0 = sampling.max_context
+    # sampler-vs-trainer correction (trainer/rollout_correction.py), r = π_old / π_rollout: token-/seq-tis
+    # weight min(r, cap); token-/seq-mis drop outside [low, high]; geo-mask drops a sequence whose
+    # geometric-mean r leaves [1 - delta, 1 + delta]
     rollout_is: str = choice("none", "none", "token-tis", "seq-tis", "token-mis", "seq-mis", "geo-mask")
-    rollout_is_cap: float = 2.0
-    rollout_is_low: float = 0.5
-    rollout_is_high: float = 5.0
-    rollout_is_delta: float = 0.01
-    dynamic_sampling: bool = False  # drop all-equal groups and refill
+    rollout_is_cap: float = 2.0  # the tis cap, > 0
+    rollout_is_low: float = 0.5  # the mis lower bound, >= 0
+    rollout_is_high: float = 5.0  # the mis upper bound, > 0
+    rollout_is_delta: float = 0.01  # geo-mask's delta, > 0
+    dynamic_sampling: bool = False  # drop groups whose dynamic_sampling_metric is all equal, then refill
     # what must differ within a group for it to be kept: reward (any difference, shaping included)
-    # or exec_match (some samples right, some wrong: DAPO's accuracy filter). With dense shaping,
-    # reward keeps all-wrong groups whose advantages are the shaping's small differences scaled up
-    # to unit size by the group's std
+    # or exec_match (some samples right, some wrong: DAPO's accuracy filter)
     dynamic_sampling_metric: str = choice("reward", "reward", "exec_match")
-    max_resample_rounds: int = 3
-    ppo_epochs: int = 1
-    mini_batches: int = 1  # optimizer steps per rollout batch per epoch
-    # turn credit (grpo.token_advantages): > 0 adds a per-turn reward of this size to the first tool
-    # turn whose observation shows a value the gold answer needs (a quoted literal of the gold SQL
-    # the question does not spell out), credited to that turn and the turns before it; 0 = off (the
-    # episode's advantage on every token). README "Fork for an ablation" has the sweep against 0
+    max_resample_rounds: int = 3  # extra sampling rounds to refill dropped groups, >= 0
+    ppo_epochs: int = 1  # passes over each rollout batch, >= 1
+    mini_batches: int = 1  # optimizer steps per rollout batch per epoch, >= 1
+    # per-turn credit (grpo.lookup_bonus_returns): reward added to the first tool turn whose observation
+    # shows a value the gold needs, credited reward-to-go, >= 0; 0 = off (the outcome on every turn)
     lookup_bonus: float = 0.0
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.999
-    warmup_steps: int = 0
-    schedule: str = choice("constant", "constant", "cosine")
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
-    grad_clip: float = 0.5
-    micro_batch_tokens: int = 16384  # tokens per forward/backward micro-batch
-    # packed rows of at most this many tokens, several per micro-batch (0: one row per micro-batch).
-    # 0 is best on both devices: CUDA's FlexAttention skips masked blocks, and CPU attention runs per
-    # sequence (trainer/packed_attention.py), never over a row's T² pairs
-    pack_row_tokens: int = 0
+    lr: float = 1e-6  # AdamW learning rate of GRPO, > 0
+    weight_decay: float = 0.01  # AdamW decoupled weight decay, >= 0
+    beta1: float = 0.9  # AdamW β1, in [0, 1)
+    beta2: float = 0.999  # AdamW β2, in [0, 1)
+    warmup_steps: int = 0  # optimizer steps of linear warm-up, >= 0
+    schedule: str = choice("constant", "constant", "cosine")  # learning rate after the warm-up
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr, in [0, 1]
+    grad_clip: float = 0.5  # the gradient's global norm is clipped to this, > 0
+    micro_batch_tokens: int = 16384  # tokens per forward/backward micro-batch, >= 1
+    pack_row_tokens: int = 0  # packed rows of at most this many tokens, >= 0; 0 = one row per micro-batch
 
 
 @dataclass
 class SFTConfig:
-    steps: int = 0  # 0 = no warm start
-    lr: float = 1e-5
-    batch_size: int = 32  # sequences per step, global
-    warmup_steps: int = 0
-    think_text: str = "Let me write the query."  # the short think in gold trajectories
-    with_tool_turn: bool = True  # gold trajectory includes <sql>gold</sql> + its real observation
-    eval_every: int = 0  # held-out EX every K SFT steps, logged as sft/eval_ex (0 = never)
-    # Stop mid-climb whatever the seed: every stop_check_every steps, greedy EX on 128 training
-    # questions (logged as sft/train/*); the warm start ends once it reaches stop_at_train_ex (0 = off:
-    # always `steps`, which is otherwise the cap). A step count alone lands each seed elsewhere on
-    # a steep climb (the toy's copy-from-the-observation skill appears within ~30 steps).
-    stop_at_train_ex: float = 0.0
-    # ... and, when > 0, once the recovery rate at that check reaches it too (episodes whose first
-    # query came back empty or failed and still ended right, over those whose first query did; a
-    # check where no first query failed passes it). EX alone can be reached by copying from one
-    # lookup before the second look after an empty one is learned, and GRPO then has little
-    # recovery to build on. A condition on the EX stop: with stop_at_train_ex 0 nothing stops.
-    stop_at_train_recovery: float = 0.0
-    stop_check_every: int = 10
-    # Near the threshold, finer checks: while the last check's training EX is at or above stop_near_ex
-    # (0 = never), check every stop_check_every_near steps; a check back below it returns to
-    # stop_check_every (both grids are the multiples of their step count). The climb can take training
-    # EX from 45% to 62% within 10 steps, and the first check past stop_at_train_ex then lands far above it.
-    stop_near_ex: float = 0.0
-    stop_check_every_near: int = 0
-    stop_check_questions: int = 128  # training questions the stop check evaluates (spread over the set)
-    # Checks in a row that must pass before the stop. 128 questions carry about +-4 points of binomial
-    # noise: on a plateau a lone check can pass the threshold (toy, actions protocol: 39.1% between
-    # 33.6% and 31.2%, the copy GRPO builds on not yet formed).
-    stop_checks_in_a_row: int = 1
-    # The check's questions come from whole training databases the warm start leaves out (about 8 of
-    # them for 128 questions): on questions it trains on, a late stop reads memorised answers as skill
-    # (toy set: 41% training EX at step 648 where held-out EX was 25%).
-    stop_check_unseen: bool = False
-    # no check before this step: checks cost a greedy eval each, and early ones, before the model
-    # closes its tags, run every turn to max_new_tokens (on the toy: ~20 s of a 2-minute warm start
-    # before step 200; the earliest stop measured, 3 seeds on 2 machines, came at step 240). The
-    # models have no dropout and greedy checks draw no random numbers: skipping them changes nothing else.
-    stop_check_from: int = 0
-    # save the warm start (<out_dir>/warm_start: weights, AdamW, RNG, step, the stop checks' grid) every
-    # K steps, at its end and at a Ctrl-C / SIGTERM: the same command then continues it from there, to the
-    # same weights (0 = at its end and at a stop only). On the toy a save takes ~0.1 s beside ~0.3 s per
-    # step: at 50, a kill -9 loses at most ~15 s of work
-    save_every: int = 50
+    steps: int = 0  # warm-start steps, >= 0; 0 = no warm start; with the stop rule below, the cap
+    lr: float = 1e-5  # AdamW learning rate of the warm start, > 0
+    batch_size: int = 32  # gold episodes per step over all ranks, >= 1
+    warmup_steps: int = 0  # steps of linear warm-up, >= 0
+    think_text: str = "Let me write the query."  # the think of every gold turn ("" = an empty think)
+    with_tool_turn: bool = True  # every gold episode first runs the gold as a tool call and sees its rows
+    eval_every: int = 0  # held-out EX every K steps (sft/eval_ex), >= 0; 0 = never
+    save_every: int = 50  # save <out_dir>/warm_start every K steps, >= 0 (0 = at its end and at a stop only)
+
+    # The stop rule (sft.run_sft). From step stop_check_from, every stop_check_every steps (every
+    # stop_check_every_near while the last check's EX is >= stop_near_ex), a greedy check on
+    # stop_check_questions training questions (from whole databases the warm start leaves out, when
+    # stop_check_unseen); the warm start stops after stop_checks_in_a_row checks in a row with
+    # EX >= stop_at_train_ex and recovery >= stop_at_train_recovery. stop_at_train_ex 0: no checks, run `steps`.
+    stop_at_train_ex: float = 0.0  # EX to stop at, a fraction in [0, 1]; 0 = the rule is off
+    stop_at_train_recovery: float = 0.0  # ... and recovery (empty first lookups that end right), in [0, 1]; 0 = any
+    stop_check_from: int = 0  # the first step that may check, >= 0
+    stop_check_every: int = 10  # steps between checks, >= 1
+    stop_near_ex: float = 0.0  # from this EX on, check every stop_check_every_near steps, in [0, 1]; 0 = never
+    stop_check_every_near: int = 0  # steps between checks near the threshold, >= 0; 0 = off
+    stop_check_questions: int = 128  # training questions per check, >= 1
+    stop_checks_in_a_row: int = 1  # passing checks in a row needed to stop, >= 1
+    stop_check_unseen: bool = False  # check on whole training databases the warm start does not train on
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 60  # GRPO steps
-    seed: int = 0
-    out_dir: str = "runs/default"
-    log_every: int = 1
-    sample_every: int = 10  # print a few trajectories every K steps (0 = never)
-    sample_rows: int = 8  # ... and write this many (one per prompt) to samples.jsonl / the wandb table
-    plot_every: int = 0  # redraw out_dir/metrics.png every K steps (plot.py; 0 = off; needs matplotlib)
-    eval_every: int = 10  # held-out eval every K steps (also at start and end; 0 = start+end)
-    save_every: int = 0  # checkpoint every K steps (0 = end only)
-    keep_checkpoints: int = 2
-    # continue from out_dir's latest checkpoint if present; "true" refuses a checkpoint whose
-    # config differs in more than RESUMABLE_KEYS, "force" continues anyway, "false" starts anew
+    steps: int = 60  # GRPO steps, >= 0
+    seed: int = 0  # seed of the prompt order, sampling and initialisation, >= 0
+    out_dir: str = "runs/default"  # the run's folder: metrics, samples, checkpoints
+    log_every: int = 1  # log the step's metrics every K steps, >= 1
+    sample_every: int = 10  # print a few trajectories every K steps, >= 0; 0 = never
+    sample_rows: int = 8  # ... and write this many (one per prompt) to samples.jsonl / wandb, >= 0
+    plot_every: int = 0  # redraw out_dir/metrics.png every K steps, >= 0; 0 = off
+    eval_every: int = 10  # held-out eval every K steps (and at start and end), >= 0; 0 = start and end
+    save_every: int = 0  # checkpoint every K steps, >= 0; 0 = at the end only
+    keep_checkpoints: int = 2  # newest checkpoints kept, >= 0; 0 = all
+    # continue from out_dir's latest checkpoint: true (refused when the config differs outside
+    # checkpoint.RESUMABLE_KEYS), force (continue anyway), false (start anew)
     resume: str = choice("true", "true", "false", "force")
-    dist_timeout_s: float = 7200.0  # collective timeout (a rank waits at a barrier this long)
-    max_bad_steps: int = 3  # stop after this many non-finite steps in a row
-    threads: int = 0  # torch threads per rank; 0 = leave torch's choice
+    dist_timeout_s: float = 7200.0  # seconds a rank waits at a collective, > 0
+    max_bad_steps: int = 3  # stop after this many non-finite steps in a row, >= 1
+    threads: int = 0  # torch threads per rank, >= 0; 0 = torch's choice
 
 
 @dataclass
 class WandbConfig:
-    mode: str = choice("disabled", "disabled", "offline", "online")
+    mode: str = choice("disabled", "disabled", "offline", "online")  # offline writes ./wandb, no network
     project: str = "grpo-sql"
-    name: str = ""
+    name: str = ""  # the run's name ("" = wandb's)
 
 
 @dataclass
