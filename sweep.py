@@ -37,10 +37,12 @@ HERE = Path(__file__).resolve().parent
 # variants: the 2025-26 loss family as config overrides (keys of config.GRPOConfig)
 
 # SkyRL-SQL's recipe: PPO-clip GRPO, ε 0.2/0.2, token-mean, group-std advantages, no KL, every group
-# kept. Every variant spells out all of these keys, so a variant means the same on any base config.
+# kept. Every variant spells out all of these keys, the loss family's, so a variant means the same
+# loss on any base config. Every other key (the credit, the reward, truncation, ...) comes from the
+# base config, --grid or --set: a new key needs nothing here.
 _SKYRL = {"grpo.loss": "grpo", "grpo.clip_low": 0.2, "grpo.clip_high": 0.2, "grpo.loss_agg": "token-mean",
           "grpo.advantage": "group", "grpo.kl_beta": 0.0, "grpo.dynamic_sampling": False,
-          "grpo.rollout_is": "none", "grpo.lookup_bonus": 0.0}
+          "grpo.rollout_is": "none"}
 VARIANTS: dict[str, dict] = {
     "skyrl-grpo": _SKYRL,
     # DAPO: clip-higher (ε_high 0.28) + dynamic sampling (all-equal-reward groups dropped) + token-mean
