@@ -33,8 +33,11 @@ def choice(default, *options, help=""):
 class ModelConfig:
     path: str = "runs/tiny/model"  # local HF folder (config.json + safetensors + tokenizer)
     build_tiny: bool = True  # if `path` does not exist, build a tiny random model there
-    # compute dtype; weights, gradients and AdamW states are always fp32 (FSDP2 mixed precision)
-    dtype: str = choice("float32", "float32", "bfloat16")
+    # compute dtype of every forward (trainer, KL reference, sampler and its KV cache); weights,
+    # reduced gradients and AdamW states are always fp32 (FSDP2 mixed precision). float16: for GPUs
+    # without bf16 (T4, V100); 3 more mantissa bits than bf16, so the sampler and the trainer agree
+    # more closely, with dynamic loss scaling (optim.loss_scale_*, trainer/loss_scale.py)
+    dtype: str = choice("float32", "float32", "bfloat16", "float16")
     activation_checkpointing: bool = False
     # FSDP2 units. block: each block its own unit, so only the running block's full weights are
     # gathered (what a 7B needs on a GPU). model: one unit, gathered once per forward and
@@ -43,7 +46,7 @@ class ModelConfig:
     # device many times over (the tiny model's SFT steps on 2 CPU ranks: 1.14x, bench/cpu_step.py
     # --against block). Same shards and checkpoints either way.
     fsdp_unit: str = choice("block", "block", "model")
-    fp32_lm_head: bool = False  # bf16 runs: LM head matmul + log-softmax of the loss in fp32
+    fp32_lm_head: bool = False  # bf16/fp16 runs: LM head matmul + log-softmax of the loss in fp32
     # LoRA (trainer/lora.py): 0 = full fine-tune; > 0 freezes the base and trains rank-r adapters
     lora_rank: int = 0
     lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
@@ -217,6 +220,15 @@ class OptimConfig:
     # 0 is best on both devices: CUDA's FlexAttention skips masked blocks, and CPU attention runs per
     # sequence (trainer/packed_attention.py), never over a row's T² pairs
     pack_row_tokens: int = 0
+    # dynamic loss scaling, float16 only (trainer/loss_scale.py; off for float32 and bfloat16): the loss
+    # is multiplied by the scale before backward so small fp16 gradients do not flush to zero; a step
+    # whose gradients overflow is skipped and the scale multiplied by loss_scale_backoff; after
+    # loss_scale_interval clean optimizer steps in a row it is multiplied by loss_scale_growth.
+    # torch.amp.GradScaler's init, growth and backoff; its interval (2000) is longer than a toy run
+    loss_scale_init: float = 65536.0  # the first scale (2^16), > 0
+    loss_scale_growth: float = 2.0  # x the scale after loss_scale_interval clean steps, > 1
+    loss_scale_backoff: float = 0.5  # x the scale after an overflow, in (0, 1)
+    loss_scale_interval: int = 200  # clean optimizer steps in a row before the scale grows, >= 1
 
 
 @dataclass

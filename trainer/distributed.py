@@ -88,9 +88,13 @@ def close(drain_timeout_s: float = 10.0) -> None:
     dist.destroy_process_group()
 
 
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def compute_dtype(cfg) -> torch.dtype:
-    """model.dtype is the compute dtype; master weights, gradients and AdamW states stay fp32."""
-    return torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    """model.dtype is the compute dtype (trainer, reference, sampler); master weights, reduced
+    gradients and AdamW states stay fp32. float16 also needs loss scaling (trainer/loss_scale.py)."""
+    return COMPUTE_DTYPES[cfg.model.dtype]
 
 
 def param_count(model) -> int:
@@ -150,7 +154,8 @@ def shard(model, dtype: torch.dtype, unit: str = "block"):
 
     The model must be loaded in fp32: those are the master weights (sharded, what AdamW updates).
     MixedPrecisionPolicy all-gathers them cast to `dtype` for forward/backward and reduce-scatters
-    gradients in fp32, so bf16 compute never rounds an update of lr·step ≪ bf16's 2^-8 away.
+    gradients in fp32, so bf16 compute never rounds an update of lr·step ≪ bf16's 2^-8 away (fp16:
+    the same, and its gradients arrive multiplied by the loss scale, unscaled in fp32 by optim).
     Either unit shards every parameter on dim 0 over the ranks: same shards, same checkpoints.
 
     Frozen parameters (a LoRA base, requires_grad False) are cast to `dtype` here: they are never
@@ -259,7 +264,7 @@ def memory_estimate(model, cfg, world: int) -> dict:
     lora_params = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
     a = model.config
     gb = 1024 ** 3
-    unsharded_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
+    unsharded_bytes = compute_dtype(cfg).itemsize  # 2 for bfloat16 and float16
     kv_per_tok = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * unsharded_bytes
     # activations of one micro-batch: the block inputs kept by checkpointing (or every block's
     # intermediates without it), plus one block's worth recomputed in backward

@@ -132,12 +132,12 @@ def _sequences(trajs):
 
 
 def update(model, trajs, idx: list[int], tokens: BatchTokens, loss, cfg, world: int, device,
-           sums: dict) -> None:
+           sums: dict, scaler=None) -> None:
     """One mini-batch (trajectories idx) of the update: packed micro-batches, each forward, its
     LossInputs, the loss and backward, gradients accumulated for the optimizer step that follows.
     loss: grpo.PolicyLoss (norm(masks) once: the global normaliser; then loss(inputs, norm)).
     sums: {metric: [sum over loss tokens, loss tokens]}, added to (token-weighted means over the
-    step's micro-batches)."""
+    step's micro-batches). scaler: trainer/loss_scale.LossScaler (float16's loss scale), or None."""
     T = cfg.sampling.temperature
     seqs, prompt_lens = _sequences(trajs)
     norm = loss.norm([torch.tensor(seqs[i][1][1:], dtype=torch.float32) for i in idx])  # a collective
@@ -148,7 +148,8 @@ def update(model, trajs, idx: list[int], tokens: BatchTokens, loss, cfg, world: 
             lp_flat, ent_flat = packing.forward(model, mb, device, T)  # (N,) loss tokens only
             inputs = loss_inputs(lp_flat, ent_flat, mb.counts, [idx[j] for j in mb.members], tokens)
             out, m = loss(inputs, norm)
-            (out * world).backward()  # FSDP2 averages gradients over ranks; ×world makes it a sum
+            out = out * world  # FSDP2 averages gradients over ranks; ×world makes it a sum
+            (scaler.scale(out) if scaler is not None else out).backward()  # float16: × the loss scale too
             w = float(inputs.mask.sum())
             for key, v in m.items():
                 acc = sums.setdefault(key, [0.0, 0.0])
@@ -157,19 +158,24 @@ def update(model, trajs, idx: list[int], tokens: BatchTokens, loss, cfg, world: 
 
 
 def update_policy(model, ref_model, optimizer, scheduler, trajs, advantages: list[Tensor], loss, cfg, world: int,
-                  device) -> dict:
+                  device, scaler=None) -> dict:
     """The whole update of one batch: batch_tokens once, then per mini-batch (ppo_epochs x
     mini_batches) update and the optimizer step. advantages[i]: trajectory i's per loss token
     (grpo.token_advantages); loss: grpo.PolicyLoss. Returns the update's metrics: each loss metric
     token-weighted over the micro-batches, grad_norm (mean over the optimizer steps),
-    grad_norm_max, skipped (1.0 when a step saw a non-finite norm and did not step) and
-    grad_norms (the list)."""
-    sums, grad_norms = {}, []  # {metric: [token-weighted sum, tokens]}; one norm per optimizer step
+    grad_norm_max, skipped (1.0 when a step saw a non-finite norm and did not step, other than
+    float16's overflow skips: those are the loss scaler's, see scaler.metrics()) and grad_norms
+    (the list). scaler: trainer/loss_scale.LossScaler, or None (no loss scaling)."""
+    sums, grad_norms, overflows = {}, [], []  # {metric: [token-weighted sum, tokens]}; per optimizer step
     tokens = batch_tokens(model, ref_model, trajs, advantages, cfg, device)  # old / ref, once per batch
     for idx in mini_batches(len(trajs), cfg.grpo):
-        update(model, trajs, idx, tokens, loss, cfg, world, device, sums)  # forward, loss, backward
-        grad_norms.append(optim.step_optimizer(model, optimizer, scheduler, cfg.optim))  # non-finite: skipped
+        update(model, trajs, idx, tokens, loss, cfg, world, device, sums, scaler)  # forward, loss, backward
+        grad_norms.append(optim.step_optimizer(model, optimizer, scheduler, cfg.optim, scaler))  # non-finite: skipped
+        overflows.append(scaler is not None and scaler.overflowed)
     m = {k: v / max(w, 1e-9) for k, (v, w) in sums.items()}
-    m.update(grad_norm=sum(grad_norms) / len(grad_norms), grad_norm_max=max(grad_norms),
-             skipped=float(not all(math.isfinite(x) for x in grad_norms)), grad_norms=grad_norms)
+    # the norms of the steps not skipped for an fp16 overflow (all of them: their inf, as without a scaler)
+    kept = [x for x, o in zip(grad_norms, overflows) if not o] or grad_norms
+    m.update(grad_norm=sum(kept) / len(kept), grad_norm_max=max(kept),
+             skipped=float(any(not math.isfinite(x) and not o for x, o in zip(grad_norms, overflows))),
+             grad_norms=grad_norms)
     return m
