@@ -46,7 +46,7 @@ class LossScaler:
         self.clean_steps = 0  # clean optimizer steps since the last skip or growth
         self.overflow_skips = 0  # steps skipped because the scaled gradients overflowed (cumulative)
         self.nonfinite_skips = 0  # steps skipped because the loss itself was not finite (cumulative)
-        self.overflowed = False  # the last update() was an overflow skip
+        self.last = ""  # the last update()'s verdict: clean, overflow, nonfinite_loss ('' inactive)
         self.warn, self.warned = warn, False
         self._loss_finite = None  # () bool tensor: every loss scaled since the last update was finite
 
@@ -72,9 +72,15 @@ class LossScaler:
         """After the optimizer step (taken or skipped on grads_finite, the same on every rank):
         'clean', 'overflow' or 'nonfinite_loss' (module docstring); '' when inactive. Collective
         when active and the gradients were not finite: the ranks agree whether any loss was non-finite."""
-        self.overflowed = False
-        if not self.active:
-            return ""
+        self.last = self._verdict(grads_finite) if self.active else ""
+        return self.last
+
+    @property
+    def overflowed(self) -> bool:
+        """The last optimizer step was skipped for an fp16 gradient overflow."""
+        return self.last == "overflow"
+
+    def _verdict(self, grads_finite: bool) -> str:
         loss_finite = self._loss_finite if self._loss_finite is not None else torch.ones((), dtype=torch.bool)
         self._loss_finite = None
         if grads_finite:
@@ -91,13 +97,12 @@ class LossScaler:
         if bool(flag.item()):
             self.scale_value *= self.backoff
             self.overflow_skips += 1
-            self.overflowed = True
             return "overflow"
         self.nonfinite_skips += 1
         if not self.warned:
             self.warned = True
             self.warn("WARNING: fp16 activation overflow: the "
-                      "forward's loss is not finite (an activation passed float16's largest value, 65504), so no "
+                      "forward's loss is not finite (most likely an activation passed float16's largest value, 65504), so no "
                       "loss scale can help; the step was skipped. If it repeats: --model.dtype=bfloat16 where the "
                       "device has it, or float32 (reported once; later ones count in train/nonfinite_skips)")
         return "nonfinite_loss"
