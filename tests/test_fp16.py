@@ -249,3 +249,55 @@ def test_mismatch_bench_smoke():
         rows = {line.split()[1]: line for line in lines if line.startswith(model + " ")}
         assert set(rows) == {"float32", "bfloat16", "float16"}, lines
         assert float(rows["float32"].split("abs_max")[1].split()[0]) < 1e-5, rows["float32"]
+
+
+# -----------------------------------------------------------------------------
+# configs/sql_env_t4.yaml
+
+
+T4_GIB = 14.7  # what torch reports of a T4's 15,360 MiB (before the CUDA context)
+QWEN3_06B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+             "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+             "tie_word_embeddings": True, "rope_theta": 1e6}  # Qwen/Qwen3-0.6B's config.json
+
+
+def test_sql_env_t4_fits_a_t4_with_lora_and_not_without():
+    """memory_estimate of the recipe on the Qwen3-0.6B shape: the full-model warm start (no KL
+    reference yet) and GRPO on LoRA fit a T4; GRPO fully fine-tuned (fp32 masters, grads, AdamW and
+    the fp16 reference) does not, which is why the recipe uses LoRA."""
+    from model import ModelArgs, Transformer
+    from trainer import lora
+    cfg = C.load_config([str(ROOT / "configs" / "sql_env_t4.yaml")])
+    assert cfg.model.dtype == "float16" and cfg.model.lora_rank > 0 and cfg.env.protocol == "actions"
+    assert cfg.reward.dense and cfg.sft.steps > 0
+    with torch.device("meta"):
+        model = Transformer(ModelArgs.from_hf(QWEN3_06B))
+    assert 5.9e8 < sum(p.numel() for p in model.parameters()) < 6.0e8
+    warm = distributed.memory_estimate(model, C.load_config([str(ROOT / "configs" / "sql_env_t4.yaml"),
+                                                             "--grpo.kl_beta=0"]), world=1)
+    full_grpo = distributed.memory_estimate(model, cfg, world=1)
+    lora.apply(model, cfg.model)
+    lora_grpo = distributed.memory_estimate(model, cfg, world=1)
+    assert warm["total"] < T4_GIB - 0.5 and lora_grpo["total"] < T4_GIB / 2, (warm, lora_grpo)
+    assert full_grpo["total"] > T4_GIB, full_grpo
+    assert abs(full_grpo["ref_weights"] - 2 * 596_049_920 / 1024 ** 3) < 0.01  # the tied fp16 reference
+
+
+def test_sql_env_t4_runs_a_tiny_step_in_float16(tmp_path, monkeypatch, capsys):
+    """The recipe at a tiny shape on CPU in its own dtype (tests/test_configs.py runs every config in
+    float32): the full-model warm start and the LoRA GRPO step with its KL term, under loss scaling."""
+    import json
+    import train
+    from conftest import build_tiny_assets
+    from test_configs import SMALL
+    assets = ["--" + a for a in build_tiny_assets(tmp_path / "assets")]
+    small = [a for a in SMALL if not a.startswith("--model.dtype")]
+    out = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", ["train.py", str(ROOT / "configs" / "sql_env_t4.yaml"), *assets, *small,
+                                      "--sft.steps=2", "--sft.batch_size=2", f"--train.out_dir={out}"])
+    train.main()
+    log = capsys.readouterr().out
+    assert "fp32 masters, float16 compute" in log and "LoRA: rank 32" in log and "fp16: loss scale" in log, log[-3000:]
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in recs if "train/reward" in r)
+    assert step["train/loss_scale"] > 0 and "train/kl" in step and "sft/loss" in {k for r in recs for k in r}

@@ -255,7 +255,9 @@ def memory_estimate(model, cfg, world: int) -> dict:
     (the largest FSDP2 unit all-gathered in the compute dtype: the whole model with
     model.fsdp_unit "model"; with "block" the root, which stays gathered from forward to backward,
     plus one block), unit_grads (that unit's trainable gradients unsharded before the
-    reduce-scatter: compute dtype, then fp32), activations (one micro-batch).
+    reduce-scatter: compute dtype, then fp32), activations (one micro-batch), ref_weights (the
+    frozen KL reference when grpo.kl_beta > 0: the base without adapters in the compute dtype,
+    sharded; 0 without KL).
     Phases: resident (between phases: gradients are freed after every optimizer step), rollout
     (resident + one unit gathered by sampler.refresh), update (resident + grads + a gathered unit
     + its unsharded gradients + activations); total = the larger peak."""
@@ -286,8 +288,9 @@ def memory_estimate(model, cfg, world: int) -> dict:
            "rollout_weights": unsharded_bytes * (n - lora_params) / gb,
            "kv_cache": cfg.sampling.kv_budget_tokens * kv_per_tok / gb,
            "gathered_unit": unsharded_bytes * unit / gb, "unit_grads": grad_bytes * unit_trainable / gb,
-           "activations": acts / gb}
-    est["resident"] = est["params"] + est["adam"] + est["rollout_weights"] + est["kv_cache"]
+           "activations": acts / gb,
+           "ref_weights": unsharded_bytes * (n - lora_params) / world / gb if cfg.grpo.kl_beta > 0 else 0.0}
+    est["resident"] = est["params"] + est["adam"] + est["rollout_weights"] + est["kv_cache"] + est["ref_weights"]
     est["rollout"] = est["resident"] + est["gathered_unit"]
     est["update"] = est["resident"] + est["grads"] + est["gathered_unit"] + est["unit_grads"] + est["activations"]
     est["total"] = max(est["rollout"], est["update"])
