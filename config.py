@@ -35,13 +35,15 @@ def choice(default, *options, help=""):
 class ModelConfig:
     path: str = "runs/tiny/model"  # local HF folder: config.json, safetensors, tokenizer (never downloaded)
     build_tiny: bool = True  # build a tiny random model at `path` when the folder is absent (the toy recipes)
-    # compute dtype of every forward and backward; master weights, gradients and AdamW states stay fp32
-    dtype: str = choice("float32", "float32", "bfloat16")
+    # compute dtype of every forward and backward (trainer, KL reference, sampler and its KV cache);
+    # master weights, reduced gradients and AdamW states stay fp32. float16 (GPUs without bf16: T4,
+    # V100) runs with dynamic loss scaling (optim.loss_scale_*)
+    dtype: str = choice("float32", "float32", "bfloat16", "float16")
     activation_checkpointing: bool = False  # recompute each block's activations in backward (memory for time)
     # FSDP2 sharding unit: block = one unit per decoder block (only the running block gathered: large
     # models); model = one unit for the whole model (one gather per pass: small models). Same checkpoints
     fsdp_unit: str = choice("block", "block", "model")
-    fp32_lm_head: bool = False  # bf16 runs: the LM head matmul and the loss's log-softmax in fp32
+    fp32_lm_head: bool = False  # bf16/fp16 runs: the LM head matmul and the loss's log-softmax in fp32
     lora_rank: int = 0  # LoRA rank r (trainer/lora.py), >= 0; 0 = full fine-tune, > 0 freezes the base
     lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank, > 0
     lora_dropout: float = 0.0  # dropout on the adapters' input while training, in [0, 1)
@@ -194,6 +196,14 @@ class OptimConfig:
     grad_clip: float = 0.5  # the gradient's global norm is clipped to this, > 0
     micro_batch_tokens: int = 16384  # tokens per forward/backward micro-batch, >= 1
     pack_row_tokens: int = 0  # packed rows of at most this many tokens, >= 0; 0 = one row per micro-batch
+    # dynamic loss scaling, float16 only (trainer/loss_scale.py; off for float32 and bfloat16): the loss
+    # is multiplied by the scale before backward so small fp16 gradients do not flush to zero; a step
+    # whose gradients overflow is skipped and the scale backs off; after loss_scale_interval clean
+    # optimizer steps in a row it grows
+    loss_scale_init: float = 65536.0  # the first scale (2^16), > 0
+    loss_scale_growth: float = 2.0  # x the scale after loss_scale_interval clean steps, > 1
+    loss_scale_backoff: float = 0.5  # x the scale after an overflow, in (0, 1)
+    loss_scale_interval: int = 200  # clean optimizer steps in a row before the scale grows, >= 1
 
 
 @dataclass

@@ -225,7 +225,7 @@ class Transformer(nn.Module):
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.activation_checkpointing = False
-        self.fp32_lm_head = False  # bf16 runs: the head's matmul and log-softmax in fp32 (config model.fp32_lm_head)
+        self.fp32_lm_head = False  # bf16/fp16 runs: the head's matmul and log-softmax in fp32 (config model.fp32_lm_head)
         self._inv_freq = {}  # device -> fp32 inv_freq; not a buffer, so .to(bf16) and meta never touch it
 
     def set_activation_checkpointing(self, enabled: bool):
@@ -311,7 +311,7 @@ class Transformer(nn.Module):
         return torch.cat(lps, 1), torch.cat(ents, 1)
 
     def _chunk_logprobs(self, h, targets, temperature):
-        if self.fp32_lm_head:  # bf16 hidden states and weight upcast: the matmul itself in fp32
+        if self.fp32_lm_head:  # bf16/fp16 hidden states and weight upcast: the matmul itself in fp32
             logits = F.linear(h.float(), self.lm_head.weight.float())
         else:
             logits = self.lm_head(h).float()

@@ -28,6 +28,7 @@ from sqltask import chat, dataset
 from sqltask.gold_turns import gold_turns
 from trainer import checkpoint, optim, packing, runguard
 from trainer.distributed import all_sum, close, compute_dtype, each_micro_batch, shard
+from trainer.loss_scale import LossScaler
 from trainer.policy_sampler import PolicySampler
 
 # -----------------------------------------------------------------------------
@@ -152,14 +153,16 @@ def stop_check_questions(train_ex: list[dict], s) -> tuple[list[dict], list[dict
 
 
 def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log, *, resume_from=None,
-            stop=None) -> bool:
+            stop=None, scaler=None) -> bool:
     """Warm start on gold trajectories (loss on model-side tokens only, token-mean over the batch).
     sampler: the model's PolicySampler, refreshed with the current weights before the evals
     (sft.eval_every, eval.evaluate) and the sft.stop_at_train_ex check; log: run_log.Log.
     Saves to <out_dir>/warm_start (checkpoint.save) every sft.save_every steps, at its end and, with
     `stop` (runguard.StopSignals), after the step in which a signal came (then raises Stopped);
     resume_from: such a save, continued exactly (weights, AdamW, RNG, the data order, the check grid,
-    the log). Returns whether the sampler holds the final weights (the run stopped right after a check)."""
+    the log, float16's loss scale). scaler: trainer/loss_scale.LossScaler (train.py's, which GRPO
+    continues with; default a new one for model.dtype). Returns whether the sampler holds the final
+    weights (the run stopped right after a check)."""
     s = cfg.sft
     t0 = time.time()
     n_dbs = len({ex["db_id"] for ex in train_ex})
@@ -172,6 +175,7 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
     db_paths = [dataset.abs_db_path(ex, cfg.data.db_root) for ex in train_ex]
     data = build_dataset(train_ex, prompts, tok, cfg, db_paths)
     opt, sch = optim.make_optimizer(model, cfg.optim, s.lr, s.warmup_steps, s.steps)
+    scaler = scaler or LossScaler(cfg.optim, compute_dtype(cfg), warn=log.print)
     check_every = s.stop_check_every  # stop_check_every_near while the last check is at or above stop_near_ex
     passed_in_a_row = 0  # the last checks that passed the stop's thresholds, in a row
     start, finished = 0, False  # steps done; whether the warm start ended (cap or stop check)
@@ -179,13 +183,14 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
         saved = checkpoint.load(resume_from, model, opt, sch)
         start, check_every, finished = saved["step"], saved["check_every"], saved["finished"]
         passed_in_a_row = saved.get("passed_in_a_row", 0)  # saves before sft.stop_checks_in_a_row: 0
+        scaler.load_state_dict(saved.get("loss_scale"))
         log.rewind(saved.get("log_sizes"))  # what was logged after the save is logged again
         log.print(f"warm start: resumed from {resume_from} at step {start}" + (" (it had ended)" if finished else ""))
 
     def save(step: int, ended: bool) -> str | None:
         return checkpoint.save(cfg.train.out_dir, step, model, opt, sch, tok, cfg,
                                {"check_every": check_every, "passed_in_a_row": passed_in_a_row,
-                                "finished": ended, "log_sizes": log.sizes()},
+                                "finished": ended, "log_sizes": log.sizes(), "loss_scale": scaler.state_dict()},
                                name=checkpoint.WARM_START)
 
     synced = False  # the sampler holds this step's weights
@@ -204,14 +209,17 @@ def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, lo
         mbs = packing.plan(seqs, None, cfg.optim.micro_batch_tokens, cfg.optim.pack_row_tokens)
         for mb in each_micro_batch(model, mbs, device, backward=True):
             loss_sum = sft_loss_sum(model, [seqs[j] for j in mb.members], row_tokens=cfg.optim.pack_row_tokens)
-            (loss_sum / n_tok * world).backward()
+            scaler.scale(loss_sum / n_tok * world).backward()  # float16: × the loss scale
             tot += loss_sum.detach().item()
-        grad_norm = optim.step_optimizer(model, opt, sch, cfg.optim)
+        grad_norm = optim.step_optimizer(model, opt, sch, cfg.optim, scaler)  # unscales, skips an overflow
         synced = synced and not math.isfinite(grad_norm)  # a step moved the weights
         loss = all_sum([tot], device)[0] / n_tok
         if (i + 1) % max(1, s.steps // 20) == 0 or i + 1 == s.steps:
-            log.metrics(i + 1, {"sft/loss": loss, "sft/grad_norm": grad_norm})
-            log.print(f"sft {i + 1}/{s.steps} | loss {loss:.4f} | gnorm {grad_norm:.2f} | {time.time() - t0:.0f}s")
+            log.metrics(i + 1, {"sft/loss": loss, "sft/grad_norm": grad_norm,
+                                **{f"sft/{k}": v for k, v in scaler.metrics().items()}})  # float16: scale, skips
+            log.print(f"sft {i + 1}/{s.steps} | loss {loss:.4f} | gnorm {grad_norm:.2f} | " +
+                      (f"scale {scaler.scale_value:g} skips {scaler.overflow_skips} | " if scaler.active else "") +
+                      f"{time.time() - t0:.0f}s")
         run_eval = s.eval_every and (i + 1) % s.eval_every == 0 and i + 1 < s.steps
         run_check = probe and (i + 1) % max(1, check_every) == 0 and s.stop_check_from <= i + 1 < s.steps
         if (run_eval or run_check) and not synced:

@@ -32,6 +32,7 @@ from toy import tiny
 from trainer import checkpoint, config_checks, lora, malloc_tuning, optim, packing, policy_update, runguard
 from trainer.distributed import (PeakMemory, all_sum, close, compute_dtype, map_shared, memory_estimate, param_count,
                                  setup_dist, shard)
+from trainer.loss_scale import LossScaler
 from trainer.policy_sampler import PolicySampler
 from trainer.run_log import Log, Phases
 
@@ -102,12 +103,13 @@ class PromptStream:
 class Run:
     """What a GRPO step reads and moves: the policy (FSDP2-sharded, fp32 masters), its frozen KL
     reference (None without a KL term), its sampler (the inference copy the rollouts decode on),
-    the optimizer and its schedule, and where this rank runs."""
+    the optimizer and its schedule, float16's loss scaler (a no-op in other dtypes), and where this rank runs."""
     model: object
     ref_model: object | None
     sampler: PolicySampler
     optimizer: object
     scheduler: object
+    scaler: LossScaler
     tokenizer: object
     cfg: C.Config
     log: Log
@@ -168,8 +170,8 @@ def grpo_step(run: Run, prompts: list[dict], stream: "PromptStream", step: int, 
 def update(run: Run, trajs: list, advantages: list[torch.Tensor]) -> dict:
     """The update of one batch: old / reference logprobs once, then per mini-batch (grpo.ppo_epochs x
     grpo.mini_batches slices) each micro-batch's packed forward, its LossInputs, grpo.policy_loss,
-    backward, and one optimizer step. advantages[i]: trajectory i's, one per loss token. Returns the
-    update's metrics (policy_update.UpdateMetrics.summary)."""
+    backward (float16: of the loss times run.scaler's scale), and one optimizer step. advantages[i]:
+    trajectory i's, one per loss token. Returns the update's metrics (policy_update.UpdateMetrics.summary)."""
     cfg, g, model = run.cfg, run.cfg.grpo, run.model
     tokens = policy_update.batch_tokens(model, run.ref_model, trajs, advantages, cfg, run.device)  # per sequence
     metrics = policy_update.UpdateMetrics()
@@ -179,9 +181,11 @@ def update(run: Run, trajs: list, advantages: list[torch.Tensor]) -> dict:
             logprobs, entropy = packing.forward(model, mb, run.device, cfg.sampling.temperature)  # (N,) loss tokens
             inputs = grpo.loss_inputs(logprobs, entropy, mb, idx, tokens)  # (B, T) each
             loss, loss_metrics = grpo.policy_loss(inputs, norm, g, cfg.sampling.max_context)
-            (loss * run.world).backward()  # FSDP2 averages gradients over ranks; x world makes it the sum
+            # FSDP2 averages gradients over ranks: x world makes it the sum; float16: x the loss scale too
+            run.scaler.scale(loss * run.world).backward()
             metrics.add(loss_metrics, inputs.mask)
-        metrics.grad_norms.append(optim.step_optimizer(model, run.optimizer, run.scheduler, cfg.optim))  # non-finite: skipped
+        grad_norm = optim.step_optimizer(model, run.optimizer, run.scheduler, cfg.optim, run.scaler)  # unscale, clip,
+        metrics.step(grad_norm, run.scaler.overflowed)  # step; a non-finite norm skips it (float16: an overflow too)
     return metrics.summary()
 
 
@@ -198,6 +202,7 @@ def main():
         config_checks.check_model_folder(cfg.model.path)
     out_dir_lock = runguard.lock_out_dir(cfg.train.out_dir) if runguard.launch_rank() == 0 else None  # held till exit
     rank, world, device = setup_dist(cfg.train.dist_timeout_s)
+    config_checks.check_device_dtype(cfg, device)  # bfloat16 on a GPU without it: names float16
     runguard.stop_with_launcher()  # torchrun killed (kill -9): its ranks stop, not train on as orphans
     stop = runguard.StopSignals()  # Ctrl-C / SIGTERM: at once in set-up, after the step in SFT and GRPO
     if device.type == "cpu":  # large CPU tensors reuse freed heap memory, no fresh pages per step
@@ -256,10 +261,17 @@ def main():
                                           cfg.train.steps * cfg.grpo.ppo_epochs * cfg.grpo.mini_batches)
     # the sampler: an inference copy of the policy in the compute dtype and one engine, kept for the run
     sampler = PolicySampler(model, cfg.sampling, dtype=compute_dtype(cfg))
+    # float16: dynamic loss scaling, one scaler from the warm start through GRPO (inactive otherwise)
+    scaler = LossScaler(o, compute_dtype(cfg), warn=log.print)
+    if cfg.model.dtype != "float32":
+        log.print(f"{cfg.model.dtype}: trainer forward/backward, KL reference and sampler (weights, KV cache); fp32: "
+                  "master weights, reduced gradients, AdamW, logits' log-softmax" +
+                  (f"; loss scale from {scaler.scale_value:g}" if scaler.active else ""))
     step, cursor, bad, synced = 0, 0, 0, False  # synced: the sampler holds the policy's current weights
     if ck:
         extra = checkpoint.load(ck, model, optimizer, scheduler)
         step, cursor = extra["step"], extra["cursor"]
+        scaler.load_state_dict(extra.get("loss_scale"))
         log.rewind(extra.get("log_sizes"))  # what was logged after the checkpoint is logged again
         # the config's lr wins over the saved one (a no-op when unchanged: resume stays exact)
         scheduler.base_lrs = [o.lr for _ in optimizer.param_groups]
@@ -269,9 +281,10 @@ def main():
     else:
         if cfg.sft.steps > 0 and not use_lora:  # syncs the sampler before each of its evals; saves as it goes
             synced = sft.run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log,
-                                 resume_from=warm, stop=stop)
+                                 resume_from=warm, stop=stop, scaler=scaler)
         checkpoint.save(cfg.train.out_dir, 0, model, optimizer, scheduler, tok, cfg,
-                        {"cursor": 0, "log_sizes": log.sizes()}, keep=cfg.train.keep_checkpoints)
+                        {"cursor": 0, "log_sizes": log.sizes(), "loss_scale": scaler.state_dict()},
+                        keep=cfg.train.keep_checkpoints)
     if rank == 0:  # the warm start's save is superseded by ckpt_000000 (the weights GRPO starts from)
         shutil.rmtree(Path(cfg.train.out_dir) / checkpoint.WARM_START, ignore_errors=True)
     if not synced:
@@ -292,7 +305,7 @@ def main():
         ref_model = shard(ref_model.requires_grad_(False), compute_dtype(cfg), cfg.model.fsdp_unit)
 
     stream = PromptStream(len(train_ex), cfg.train.seed, cursor)
-    run = Run(model, ref_model, sampler, optimizer, scheduler, tok, cfg, log, rank, world, device)
+    run = Run(model, ref_model, sampler, optimizer, scheduler, scaler, tok, cfg, log, rank, world, device)
     stop.at_step_boundary()  # from here a signal stops the run after its step, with a checkpoint
     saved_at, stopped = step, 0
     t_start, first_step = time.time(), step
@@ -316,12 +329,15 @@ def main():
         eta = (time.time() - t_start) / (step - first_step) * (cfg.train.steps - step)
         metrics = {**{f"train/{k}": v for k, v in s.items()}, **{f"train/{k}": v for k, v in m.items()},
                    **{f"time/{k}": v for k, v in t.items()}, "time/step": dt,
-                   "train/tokens_per_s": tok_s, "train/lr": scheduler.get_last_lr()[0], **phase.mem.metrics()}
+                   "train/tokens_per_s": tok_s, "train/lr": scheduler.get_last_lr()[0], **phase.mem.metrics(),
+                   **{f"train/{k}": v for k, v in scaler.metrics().items()}}  # float16: scale, cumulative skips
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
             log.metrics(step, metrics)
             log.print(f"step {step}/{cfg.train.steps} | reward {s['reward']:+.3f} EX {100 * s['ex']:.1f}% "
                       f"fmt-err {100 * s['format_err']:.1f}% turns {s['turns']:.2f} tools {s['tool_calls']:.2f} | "
-                      f"clip {m.get('clip_frac', 0):.3f} gnorm {m.get('grad_norm', 0):.3f} | {tok_s:.0f} tok/s | "
+                      f"clip {m.get('clip_frac', 0):.3f} gnorm {m.get('grad_norm', 0):.3f} | "
+                      + (f"scale {scaler.scale_value:g} skips {scaler.overflow_skips} | " if scaler.active else "")
+                      + f"{tok_s:.0f} tok/s | "
                       f"rollout {t['rollout']:.1f}s reward {t['reward']:.1f}s update {t.get('update', 0.0):.1f}s | "
                       f"ETA {eta / 60:.1f} min")
         if cfg.train.sample_every and step % cfg.train.sample_every == 0:
@@ -334,7 +350,8 @@ def main():
             evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
         if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
             checkpoint.save(cfg.train.out_dir, step, model, optimizer, scheduler, tok, cfg,
-                            {"cursor": stream.cursor, "log_sizes": log.sizes()}, keep=cfg.train.keep_checkpoints)
+                            {"cursor": stream.cursor, "log_sizes": log.sizes(), "loss_scale": scaler.state_dict()},
+                            keep=cfg.train.keep_checkpoints)
             saved_at = step
         if rank == 0 and cfg.train.plot_every and (step % cfg.train.plot_every == 0
                                                   or step == cfg.train.steps):
@@ -343,7 +360,7 @@ def main():
             break
     if stopped:  # SIGINT/SIGTERM (or torchrun gone): keep the steps done, then exit 128 + signal
         path = checkpoint.save(cfg.train.out_dir, step, model, optimizer, scheduler, tok, cfg,
-                               {"cursor": stream.cursor, "log_sizes": log.sizes()},
+                               {"cursor": stream.cursor, "log_sizes": log.sizes(), "loss_scale": scaler.state_dict()},
                                keep=cfg.train.keep_checkpoints) if saved_at != step else checkpoint.latest(cfg.train.out_dir)
         line = runguard.stop_line(stopped, step, cfg.train.steps, path)
         log.print(line)
@@ -355,6 +372,8 @@ def main():
     log.print(f"done: {cfg.train.steps} steps in {(time.time() - t_start) / 60:.1f} min (whole command "
               f"{(time.time() - t_launch) / 60:.1f} min); rollout {speed['sampled'] / max(speed['rollout_s'], 1e-9):.0f} "
               f"tok/s, update {speed['trained'] / max(speed['update_s'], 1e-9):.0f} tok/s; run in {cfg.train.out_dir}")
+    if scaler.active:
+        log.print(f"fp16: {scaler.summary()}")
     close()  # every rank: lets gloo's workers finish before the interpreter exits
 
 

@@ -58,6 +58,7 @@ import sft  # noqa: E402
 from toy import tiny  # noqa: E402
 import grpo  # noqa: E402
 import train  # noqa: E402
+from trainer.loss_scale import LossScaler  # noqa: E402
 from trainer.distributed import all_sum, close, each_micro_batch, setup_dist, shard  # noqa: E402
 from model import Transformer  # noqa: E402
 from rollout import Trajectory  # noqa: E402
@@ -142,7 +143,8 @@ class Arm:
         packed_attention.for_rows = DenseRows if self.dense else FOR_ROWS
         t0 = time.perf_counter()
         per_token = [adv[i].expand(len(t.token_turns())).clone() for i, t in enumerate(trajs)]
-        run = train.Run(self.model, None, None, self.opt, self.sch, None, self.cfg, None, 0, world, device)
+        run = train.Run(self.model, None, None, self.opt, self.sch, LossScaler(self.cfg.optim, torch.float32), None, self.cfg,
+                        None, 0, world, device)
         m = train.update(run, trajs, per_token)  # as train.grpo_step
         grad_norms = m.pop("grad_norms")
         return time.perf_counter() - t0, {**m, "grad_norm": grad_norms[-1]}

@@ -38,6 +38,7 @@ import grpo  # noqa: E402
 from trainer import packing  # noqa: E402
 from trainer import optim  # noqa: E402
 import train  # noqa: E402
+from trainer.loss_scale import LossScaler  # noqa: E402
 from padded import pack, token_logprobs  # noqa: E402  (this folder: the padded reference)
 from model import Transformer  # noqa: E402
 from rollout import Trajectory  # noqa: E402
@@ -182,7 +183,8 @@ def packed_update(model, optimizer, scheduler, trajs, adv, cfg, world, device) -
     """The update as train.grpo_step runs it (packed): train.update (old logprobs when
     needed, then per mini-batch the update and the optimizer step). Returns the last step's gradient norm."""
     per_token = [adv[i].expand(len(t.token_turns())).clone() for i, t in enumerate(trajs)]
-    m = train.update(train.Run(model, None, None, optimizer, scheduler, None, cfg, None, 0, world, device),
+    m = train.update(train.Run(model, None, None, optimizer, scheduler, LossScaler(cfg.optim, torch.float32), None, cfg,
+                               None, 0, world, device),
                      trajs, per_token)
     return m["grad_norms"][-1]
 

@@ -54,6 +54,7 @@ from trainer import optim  # noqa: E402
 from trainer import packed_attention  # noqa: E402
 from trainer import packing  # noqa: E402
 import train  # noqa: E402
+from trainer.loss_scale import LossScaler  # noqa: E402
 from long_microbatch import PEAK_BF16_FLOPS, SHAPES  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from rollout import Trajectory  # noqa: E402
@@ -220,7 +221,8 @@ def optimizer_step(model, opt, sched, trajs, adv, cfg, device):
     """One optimizer step of the update as train.grpo_step runs it: train.update over
     every micro-batch (one mini-batch), then optim.step_optimizer (clip + AdamW)."""
     per_token = [adv[i].expand(len(t.token_turns())).clone() for i, t in enumerate(trajs)]
-    train.update(train.Run(model, None, None, opt, sched, None, cfg, None, 0, 1, device), trajs, per_token)
+    train.update(train.Run(model, None, None, opt, sched, LossScaler(cfg.optim, torch.float32), None, cfg, None, 0, 1,
+                           device), trajs, per_token)
 
 
 def peak_gib(cuda: bool) -> float:

@@ -72,11 +72,14 @@ def loss_of(logp, old, adv, mask, *, norm, ref_logp=None, rollout_logp=None, ent
 def grpo_update(model, ref_model, optimizer, scheduler, trajs, adv, cfg, world=1, device="cpu") -> dict:
     """One GRPO update as train.grpo_step runs it (train.update: mini-batches, packed micro-batches,
     grpo.policy_loss, backward, optimizer steps), on given trajectories and per-trajectory advantages
-    adv (n,) (each spread over its loss tokens, grpo.token_advantages' default credit). Returns the
-    update's metrics."""
+    adv (n,) (each spread over its loss tokens, grpo.token_advantages' default credit), with the loss
+    scaler of cfg's compute dtype (active for float16 only). Returns the update's metrics."""
     import torch
 
     import train
+    from trainer.distributed import compute_dtype
+    from trainer.loss_scale import LossScaler
     per_token = [adv[i].expand(len(t.token_turns())).clone() for i, t in enumerate(trajs)]
-    run = train.Run(model, ref_model, None, optimizer, scheduler, None, cfg, None, 0, world, torch.device(device))
+    scaler = LossScaler(cfg.optim, compute_dtype(cfg))
+    run = train.Run(model, ref_model, None, optimizer, scheduler, scaler, None, cfg, None, 0, world, torch.device(device))
     return train.update(run, trajs, per_token)

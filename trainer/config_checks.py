@@ -119,6 +119,10 @@ RANGES: dict[str, tuple[str, str]] = {
     "optim.grad_clip": ("> 0", "the gradient is scaled to at most this norm: 0 would zero it"),
     "optim.micro_batch_tokens": (">= 1", ""),
     "optim.pack_row_tokens": (">= 0", "0 = one row per micro-batch"),
+    "optim.loss_scale_init": ("> 0", "float16's first loss scale"),
+    "optim.loss_scale_growth": ("> 1", "the scale grows by this factor after a run of clean steps"),
+    "optim.loss_scale_backoff": ("(0, 1)", "the scale shrinks by this factor after an overflow"),
+    "optim.loss_scale_interval": (">= 1", "clean optimizer steps before the scale grows"),
     "sft.steps": (">= 0", "0 = no warm start"),
     "sft.lr": ("> 0", ""),
     "sft.batch_size": (">= 1", ""),
@@ -236,6 +240,29 @@ def validate(cfg, world: int = 1):
         raise ConfigError(f"{len(found)} problems:\n  " + "\n  ".join(found))
     return cfg
 
+
+
+def dtype_problem(dtype: str, cuda: bool, bf16_supported: bool) -> str:
+    """'' when model.dtype can run on the device, else the error line naming the fix. bfloat16 on a
+    CUDA GPU without native support (T4, V100: compute capability < 8) would run emulated or not at
+    all; float16 runs there at the card's tensor-core rate, with loss scaling. On CPU every dtype
+    runs (bf16 and fp16 matmuls are slower than fp32 there)."""
+    if dtype == "bfloat16" and cuda and not bf16_supported:
+        return ("model.dtype=bfloat16: this GPU has no native bfloat16 support (compute capability < 8, "
+                "e.g. a T4 or V100): use --model.dtype=float16 (dynamic loss scaling, optim.loss_scale_*) "
+                "or float32")
+    return ""
+
+
+def check_device_dtype(cfg, device):
+    """Raise config.ConfigError when model.dtype cannot run on `device` (dtype_problem)."""
+    import torch
+    cuda = getattr(device, "type", str(device)) == "cuda"
+    # including_emulation=False: a T4 can build bf16 tensors (the default check then says True), but
+    # its matmuls have no bf16 path and run at a fraction of its fp16 rate
+    bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
+    if problem := dtype_problem(cfg.model.dtype, cuda, bf16):
+        raise ConfigError(problem)
 
 
 def model_folder_problem(path: str) -> str:

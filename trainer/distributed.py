@@ -88,9 +88,13 @@ def close(drain_timeout_s: float = 10.0) -> None:
     dist.destroy_process_group()
 
 
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def compute_dtype(cfg) -> torch.dtype:
-    """model.dtype is the compute dtype; master weights, gradients and AdamW states stay fp32."""
-    return torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    """model.dtype is the compute dtype (trainer, reference, sampler); master weights, reduced
+    gradients and AdamW states stay fp32. float16 also needs loss scaling (trainer/loss_scale.py)."""
+    return COMPUTE_DTYPES[cfg.model.dtype]
 
 
 def param_count(model) -> int:
@@ -150,7 +154,8 @@ def shard(model, dtype: torch.dtype, unit: str = "block"):
 
     The model must be loaded in fp32: those are the master weights (sharded, what AdamW updates).
     MixedPrecisionPolicy all-gathers them cast to `dtype` for forward/backward and reduce-scatters
-    gradients in fp32, so bf16 compute never rounds an update of lr·step ≪ bf16's 2^-8 away.
+    gradients in fp32, so bf16 compute never rounds an update of lr·step ≪ bf16's 2^-8 away (fp16:
+    the same, and its gradients arrive multiplied by the loss scale, unscaled in fp32 by optim).
     Either unit shards every parameter on dim 0 over the ranks: same shards, same checkpoints.
 
     Frozen parameters (a LoRA base, requires_grad False) are cast to `dtype` here: they are never
@@ -250,7 +255,9 @@ def memory_estimate(model, cfg, world: int) -> dict:
     (the largest FSDP2 unit all-gathered in the compute dtype: the whole model with
     model.fsdp_unit "model"; with "block" the root, which stays gathered from forward to backward,
     plus one block), unit_grads (that unit's trainable gradients unsharded before the
-    reduce-scatter: compute dtype, then fp32), activations (one micro-batch).
+    reduce-scatter: compute dtype, then fp32), activations (one micro-batch), ref_weights (the
+    frozen KL reference when grpo.kl_beta > 0: the base without adapters in the compute dtype,
+    sharded; 0 without KL).
     Phases: resident (between phases: gradients are freed after every optimizer step), rollout
     (resident + one unit gathered by sampler.refresh), update (resident + grads + a gathered unit
     + its unsharded gradients + activations); total = the larger peak."""
@@ -259,7 +266,7 @@ def memory_estimate(model, cfg, world: int) -> dict:
     lora_params = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
     a = model.config
     gb = 1024 ** 3
-    unsharded_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
+    unsharded_bytes = compute_dtype(cfg).itemsize  # 2 for bfloat16 and float16
     kv_per_tok = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * unsharded_bytes
     # activations of one micro-batch: the block inputs kept by checkpointing (or every block's
     # intermediates without it), plus one block's worth recomputed in backward
@@ -281,8 +288,9 @@ def memory_estimate(model, cfg, world: int) -> dict:
            "rollout_weights": unsharded_bytes * (n - lora_params) / gb,
            "kv_cache": cfg.sampling.kv_budget_tokens * kv_per_tok / gb,
            "gathered_unit": unsharded_bytes * unit / gb, "unit_grads": grad_bytes * unit_trainable / gb,
-           "activations": acts / gb}
-    est["resident"] = est["params"] + est["adam"] + est["rollout_weights"] + est["kv_cache"]
+           "activations": acts / gb,
+           "ref_weights": unsharded_bytes * (n - lora_params) / world / gb if cfg.grpo.kl_beta > 0 else 0.0}
+    est["resident"] = est["params"] + est["adam"] + est["rollout_weights"] + est["kv_cache"] + est["ref_weights"]
     est["rollout"] = est["resident"] + est["gathered_unit"]
     est["update"] = est["resident"] + est["grads"] + est["gathered_unit"] + est["unit_grads"] + est["activations"]
     est["total"] = max(est["rollout"], est["update"])

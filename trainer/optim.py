@@ -4,7 +4,7 @@ AdamW over the parameters train.py passes: under FSDP2 these are the fp32 master
 moments are fp32 and sharded too, whatever model.dtype computes in.
 
     opt, sched = make_optimizer(model, cfg.optim, lr, warmup_steps, total_steps)
-    grad_norm = step_optimizer(model, opt, sched, cfg.optim)   # clip, skip if non-finite, step
+    grad_norm = step_optimizer(model, opt, sched, cfg.optim, scaler)   # unscale, clip, skip if non-finite, step
 
 Tests: pytest tests/test_train.py -k lr_schedule
 """
@@ -41,14 +41,22 @@ def make_optimizer(model, o, lr: float, warmup: int, total: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total, o.schedule, o.min_lr_ratio))
 
 
-def step_optimizer(model, optimizer, scheduler, o) -> float:
-    """Clip to o.grad_clip, step unless the gradient norm is non-finite. Returns the norm before
-    clipping (non-finite: the step was skipped). Gradients are freed afterwards (set to None) so
-    they are not held through the next rollout."""
+def step_optimizer(model, optimizer, scheduler, o, scaler=None) -> float:
+    """Unscale (scaler: trainer/loss_scale.LossScaler, float16), clip to o.grad_clip, step unless
+    the gradient norm is non-finite, then let the scaler update its scale. Returns the norm before
+    clipping (non-finite: the step was skipped; scaler.overflowed says whether for an fp16
+    overflow). Gradients are freed afterwards (set to None) so they are not held through the next
+    rollout."""
+    if scaler is not None:
+        scaler.unscale_(model.parameters())  # fp32 master gradients: clip reads the true norm
+    # under FSDP2 the total norm is global (DTensor shards reduced over ranks): every rank skips alike
     gn = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
     gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-    if torch.isfinite(gn):
+    finite = bool(torch.isfinite(gn))
+    if finite:
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.update(finite)
     return float(gn)

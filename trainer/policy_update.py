@@ -7,7 +7,7 @@ optimizer step) needs around the loss:
         masks = loss_masks(trajs, idx)                                        # -> grpo.global_norm (a collective)
         for mb in micro_batches(model, trajs, idx, cfg, device):              # packed; every rank as many
             ...                                                               # forward, loss, backward
-    metrics.add(loss_metrics, mask); metrics.grad_norms.append(...); metrics.summary()
+    metrics.add(loss_metrics, mask); metrics.step(grad_norm, overflowed); metrics.summary()
 
 This file packs, scores the old and reference logprobs, and sums metrics; it never decides what
 the loss or the credit is. Sequences are packed (trainer/packing.py: a prompt and its G responses
@@ -126,6 +126,13 @@ class UpdateMetrics:
     def __init__(self):
         self.sums: dict[str, list[float]] = {}  # {metric: [token-weighted sum, tokens]}
         self.grad_norms: list[float] = []
+        self.overflows: list[bool] = []  # per optimizer step: skipped for a float16 gradient overflow
+
+    def step(self, grad_norm: float, overflowed: bool) -> None:
+        """One optimizer step's gradient norm (non-finite: skipped) and whether the skip was float16's
+        loss-scale overflow (trainer/loss_scale.LossScaler.overflowed; never in other dtypes)."""
+        self.grad_norms.append(grad_norm)
+        self.overflows.append(overflowed)
 
     def add(self, metrics: dict[str, Tensor], mask: Tensor) -> None:
         tokens = float(mask.sum())
@@ -135,11 +142,13 @@ class UpdateMetrics:
             acc[1] += tokens
 
     def summary(self) -> dict:
-        """Each loss metric's token-weighted mean, grad_norm (mean over the optimizer steps),
-        grad_norm_max, skipped (1.0 when a step saw a non-finite norm and did not step) and
-        grad_norms (the list)."""
+        """Each loss metric's token-weighted mean; grad_norm (mean over the optimizer steps not skipped
+        for a float16 overflow: all of them when every step was) and grad_norm_max; skipped (1.0 when
+        a step saw a non-finite norm and did not step, other than float16's overflow skips, which are
+        the loss scaler's own metrics); grad_norms (every step's)."""
         out = {key: total / max(tokens, 1e-9) for key, (total, tokens) in self.sums.items()}
-        norms = self.grad_norms
+        norms = [x for x, o in zip(self.grad_norms, self.overflows) if not o] or self.grad_norms
         out.update(grad_norm=sum(norms) / len(norms), grad_norm_max=max(norms),
-                   skipped=float(not all(math.isfinite(x) for x in norms)), grad_norms=norms)
+                   skipped=float(any(not math.isfinite(x) and not o for x, o in zip(self.grad_norms, self.overflows))),
+                   grad_norms=self.grad_norms)
         return out
