@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 # kept. Every variant spells out all of these keys, so a variant means the same on any base config.
 _SKYRL = {"grpo.loss": "grpo", "grpo.clip_low": 0.2, "grpo.clip_high": 0.2, "grpo.loss_agg": "token-mean",
           "grpo.advantage": "group", "grpo.kl_beta": 0.0, "grpo.dynamic_sampling": False,
-          "grpo.rollout_is": "none", "grpo.lookup_bonus": 0.0}
+          "grpo.rollout_is": "none", "grpo.lookup_bonus": 0.0, "grpo.mask_truncated": False}
 VARIANTS: dict[str, dict] = {
     "skyrl-grpo": _SKYRL,
     # DAPO: clip-higher (ε_high 0.28) + dynamic sampling (all-equal-reward groups dropped) + token-mean

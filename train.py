@@ -150,18 +150,23 @@ def grpo_step(run: Run, prompts: list[dict], stream: "PromptStream", step: int, 
     cfg, g = run.cfg, run.cfg.grpo
     kept, seen = collect(run, prompts, stream, step, phase)  # sample, reward, keep mask
     n_kept, n_seen = all_sum([len(kept), len(seen)], run.device)
-    m = {}
+    m, n_trained = {}, 0
     with phase("update"):
-        if n_kept > 0:  # every rank joins the update (FSDP collectives), even one with no groups kept
+        if n_kept > 0:
             advantages = grpo.token_advantages(kept, g)  # the credit: (n_loss_tokens,) per episode
-            m = update_policy(run.model, run.ref_model, run.optimizer, run.scheduler, [e.trajectory for e in kept],
+            trajs, advantages = grpo.loss_episodes(kept, advantages, g)  # grpo.mask_truncated drops truncated ones
+            n_trained = all_sum([len(trajs)], run.device)[0]
+        if n_trained > 0:  # every rank joins the update (FSDP collectives), even one with no episode to train
+            m = update_policy(run.model, run.ref_model, run.optimizer, run.scheduler, trajs,
                               advantages, grpo.PolicyLoss(g, cfg.sampling.max_context), cfg, run.world, run.device)
-        else:  # all groups had equal rewards: nothing to learn from, not an error
-            run.log.print(f"step {step + 1}: every group had equal rewards: no update")
+        else:  # all groups had equal rewards (or every kept episode was masked): nothing to learn from, not an error
+            why = "every kept episode was truncated (grpo.mask_truncated)" if n_kept else "every group had equal rewards"
+            run.log.print(f"step {step + 1}: {why}: no update")
     if any(math.isfinite(x) for x in m.pop("grad_norms", [])):  # the weights changed
         with phase("sync"):
             run.sampler.refresh(run.model)  # weight sync: the next rollout and eval sample the new policy
     m["kept_frac"] = n_kept / max(n_seen, 1)
+    m["masked_frac"] = (n_kept - n_trained) / max(n_kept, 1)  # kept episodes left out of the loss (mask_truncated)
     return kept, seen, m
 
 
@@ -300,7 +305,8 @@ def main():
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
             log.metrics(step, metrics)
             log.print(f"step {step}/{cfg.train.steps} | reward {s['reward']:+.3f} EX {100 * s['ex']:.1f}% "
-                      f"fmt-err {100 * s['format_err']:.1f}% turns {s['turns']:.2f} tools {s['tool_calls']:.2f} | "
+                      f"fmt-err {100 * s['format_err']:.1f}% trunc {100 * s['truncated']:.1f}% turns {s['turns']:.2f} "
+                      f"tools {s['tool_calls']:.2f} | "
                       f"clip {m.get('clip_frac', 0):.3f} gnorm {m.get('grad_norm', 0):.3f} | {tok_s:.0f} tok/s | "
                       f"rollout {t['rollout']:.1f}s reward {t['reward']:.1f}s update {t['update']:.1f}s | "
                       f"ETA {eta / 60:.1f} min")
