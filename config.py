@@ -126,6 +126,12 @@ class RewardConfig:
     dense_progress: float = 0.15  # x the gain in Jaccard(QUERY rows, gold rows) over the best so far
     dense_step_min: float = -0.2  # each step's shaping clamped to [dense_step_min, dense_step_max]
     dense_step_max: float = 0.5
+    # DAPO's soft overlong punishment (reward.overlong_penalty; verl's overlong buffer): with L an
+    # episode's generated tokens (the model's own, every turn), 0 up to overlong_max_len -
+    # overlong_buffer_len, then falling linearly to -1 at overlong_max_len, -1 beyond; times the factor
+    overlong_buffer_len: int = 0  # L_cache, tokens; 0 = off
+    overlong_max_len: int = 0  # L_max, tokens; > overlong_buffer_len when the buffer is on
+    overlong_penalty_factor: float = 1.0  # >= 0: the penalty's size at L_max (DAPO and verl: 1)
 
 
 @dataclass
@@ -182,6 +188,10 @@ class GRPOConfig:
     # per-turn credit (grpo.lookup_bonus_returns): reward added to the first tool turn whose observation
     # shows a value the gold needs, credited reward-to-go, >= 0; 0 = off (the outcome on every turn)
     lookup_bonus: float = 0.0
+    # leave episodes that ran out of room (rollout.TRUNCATED: a turn cut at sampling.max_new_tokens,
+    # or sampling.max_context reached) out of the loss; their rewards still enter their group's
+    # mean and std (TRL's mask_truncated_completions, DAPO's overlong filtering). grpo.loss_episodes
+    mask_truncated: bool = False
 
 
 @dataclass

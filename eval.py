@@ -59,13 +59,20 @@ from trainer.policy_sampler import PolicySampler
 
 def summarise(episodes) -> dict:
     """Per-rank sums over rollout.Episode records (reduce_summary all-reduces them into means):
-    count, reward, EX, format errors, turns, tool calls, response tokens."""
-    return {"n": len(episodes), "reward": sum(e.reward.value for e in episodes),
-            "ex": sum(float(e.reward.exec_match) for e in episodes),
-            "format_err": sum(float(not e.reward.format_ok) for e in episodes),
-            "turns": sum(e.trajectory.num_turns for e in episodes),
-            "tool_calls": sum(e.trajectory.num_tool_calls for e in episodes),
-            "resp_tokens": sum(int(sum(e.trajectory.loss_mask)) for e in episodes)}
+    count, reward, EX, format errors, turns, tool calls, response tokens, the overlong penalty,
+    and per end reason (rollout.END_REASONS, every one, so every rank sums the same keys) and
+    truncated (rollout.TRUNCATED) the episodes that ended so: fractions once reduced."""
+    out = {"n": len(episodes), "reward": sum(e.reward.value for e in episodes),
+           "ex": sum(float(e.reward.exec_match) for e in episodes),
+           "format_err": sum(float(not e.reward.format_ok) for e in episodes),
+           "turns": sum(e.trajectory.num_turns for e in episodes),
+           "tool_calls": sum(e.trajectory.num_tool_calls for e in episodes),
+           "resp_tokens": sum(int(sum(e.trajectory.loss_mask)) for e in episodes),
+           "overlong_penalty": sum(e.reward.overlong_penalty for e in episodes),
+           "truncated": sum(float(e.trajectory.truncated) for e in episodes)}
+    for reason in rollout.END_REASONS:
+        out[f"end_{reason}"] = sum(float(e.trajectory.end_reason == reason) for e in episodes)
+    return out
 
 
 def reduce_summary(s: dict, device) -> dict:
@@ -99,7 +106,8 @@ def evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step: int, pr
     log.metrics(step, m)
     log.print(f"[{prefix} @ step {step}] EX {100 * m[prefix + '/ex']:.1f}%  reward {m[prefix + '/reward']:.3f}  "
               f"format-err {100 * m[prefix + '/format_err']:.1f}%  turns {m[prefix + '/turns']:.2f}  "
-              f"tool-calls {m[prefix + '/tool_calls']:.2f}  first query empty/failed {n_bad:.0f}, "
+              f"tool-calls {m[prefix + '/tool_calls']:.2f}  truncated {100 * m[prefix + '/truncated']:.1f}%  "
+              f"first query empty/failed {n_bad:.0f}, "
               f"recovered {n_rec:.0f}  ({len(eval_ex)} examples, {seconds:.1f}s)")
     return m
 
@@ -227,7 +235,8 @@ def generate_chunk(sampler, tok, exs: list[dict], first: int, cfg, n: int, seed:
                      "db_id": ex["db_id"], "question": ex["question"], "gold_sql": ex["gold_sql"],
                      "prediction": line if ok else PLACEHOLDER, "reward": rw.value,
                      "exec_match": bool(rw.exec_match), "format_ok": bool(rw.format_ok),
-                     "error": rw.error or None, "stop_reason": t.stop_reason, "finished": t.finished,
+                     "error": rw.error or None, "stop_reason": t.stop_reason, "end_reason": t.end_reason,
+                     "finished": t.finished,
                      "num_turns": t.num_turns, "num_tool_calls": t.num_tool_calls,
                      "response_tokens": int(sum(t.loss_mask)), "turns": t.turn_texts(tok),
                      "first_query_bad": env.first_query_bad(t.steps), "_key": keys[k]})

@@ -10,7 +10,7 @@ Where to edit for an ablation:
     normalisation (`group_baseline`) and the broadcast to tokens are shared by every credit;
   - the loss: `policy_loss` (one LossInputs of (B, T) tensors and the grpo config group in, a scalar
     and metrics out);
-  - which groups train: `keep_mask`.
+  - which groups train: `keep_mask`; which of their episodes enter the loss: `loss_episodes`.
 
 Normalisation contract. `policy_loss` returns Σ_{its tokens or sequences} ℓ / norm where `norm`
 is the *global* normaliser of this optimizer step (masked tokens for token-mean, sequences
@@ -180,6 +180,20 @@ def token_advantages(batch, g) -> list[Tensor]:
         turn_of_token = torch.tensor(e.trajectory.token_turns(), dtype=torch.long).clamp(max=len(per_turn) - 1)
         out.append(per_turn[turn_of_token])
     return out
+
+
+def loss_episodes(batch, advantages: list[Tensor], g) -> tuple[list, list[Tensor]]:
+    """(trajectories, their per-token advantages) of the kept episodes that enter the loss: all of
+    them, or with grpo.mask_truncated those that did not run out of room (Trajectory.truncated: a
+    turn cut at sampling.max_new_tokens, or sampling.max_context reached). The advantages were
+    computed over every kept episode, so a truncated episode's reward still sets its group's mean
+    and std (TRL's mask_truncated_completions, DAPO's overlong filtering): the others are judged
+    against the same baseline, and only the cut episode's own tokens, whose ending the policy never
+    wrote, give no gradient. Leaving it out of the update's batch also leaves its tokens out of the
+    loss normaliser (global_norm counts the trained masks). A rank left with none still runs the
+    update (each_micro_batch pads it), so every rank joins its collectives."""
+    pairs = [(e.trajectory, a) for e, a in zip(batch, advantages) if not (g.mask_truncated and e.trajectory.truncated)]
+    return [t for t, _ in pairs], [a for _, a in pairs]
 
 
 # -----------------------------------------------------------------------------

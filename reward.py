@@ -1,5 +1,6 @@
 """The RL reward of an episode: its format (SkyRL-SQL's rules), its answer's execution match
-(sqltask/exec_match.py: set, bag or Spider's rule), sql_env's dense shaping in the actions protocol.
+(sqltask/exec_match.py: set, bag or Spider's rule), sql_env's dense shaping in the actions protocol,
+DAPO's soft overlong punishment on the episode's generated tokens (reward.overlong_*).
 One Reward per episode; `Reward.value` is the scalar GRPO's advantages compare.
 
     rewards = episode_rewards(transcripts, cfg.reward, protocol, template_pieces)   # rollout.sample_episodes
@@ -95,6 +96,21 @@ def dense_shaping(steps: list[dict], gold: list | None, cfg: RewardConfig) -> fl
     return total
 
 
+def overlong_penalty(generated_tokens: int, cfg: RewardConfig) -> float:
+    """DAPO's soft overlong punishment (verl's overlong buffer), times reward.overlong_penalty_factor:
+    with L the episode's generated tokens, L_max = reward.overlong_max_len, L_cache =
+    reward.overlong_buffer_len,
+        0                                   L <= L_max - L_cache
+        ((L_max - L_cache) - L) / L_cache   L_max - L_cache < L <= L_max   (falls linearly to -1)
+        -1                                  L > L_max
+    L_cache 0: off (0). Multi-turn: L counts the model's own tokens over every turn (loss mask 1),
+    not the tool's observations, which the policy does not write (DAPO's response is one turn)."""
+    L, cache, high = generated_tokens, cfg.overlong_buffer_len, cfg.overlong_max_len
+    if cache <= 0 or L <= high - cache:
+        return 0.0
+    return cfg.overlong_penalty_factor * (((high - cache) - L) / cache if L <= high else -1.0)
+
+
 @dataclass
 class Transcript:
     """What the reward reads of one episode (rollout.transcript builds it from a trajectory)."""
@@ -104,6 +120,7 @@ class Transcript:
     final_sql: str  # the answer to execute ("" when none)
     finished: bool  # the episode ended with an answer (a solution / ANSWER)
     steps: list[dict] = field(default_factory=list)  # env.step_record of each env step (dense shaping reads them)
+    generated_tokens: int = 0  # the model's own tokens over every turn (loss mask 1; overlong_penalty reads it)
 
 
 @dataclass
@@ -113,6 +130,7 @@ class Reward:
     exec_match: bool  # the answer's result equals the gold's (reward.mode)
     format_ok: bool  # tags: SkyRL's format rules hold; actions: an ANSWER within the budget
     error: str = ""  # why not: the SQL error, the format rule broken, "" when right
+    overlong_penalty: float = 0.0  # the soft overlong punishment included in value (<= 0; 0 when off)
 
 
 def episode_rewards(episodes: list[Transcript], cfg: RewardConfig, protocol: str = "tags",
@@ -137,7 +155,8 @@ def episode_rewards(episodes: list[Transcript], cfg: RewardConfig, protocol: str
         # an episode without an ANSWER gets no shaping under dense_needs_answer (see RewardConfig)
         if protocol == "actions" and cfg.dense and (e.finished or not cfg.dense_needs_answer):
             value += dense_shaping(e.steps or [], gold_rows(e.db_path, e.gold_sql, cfg.mode, cfg.keep_distinct), cfg)
-        out.append(Reward(value, match, fmt_ok, err))
+        penalty = overlong_penalty(e.generated_tokens, cfg)  # added to every episode's reward, as DAPO's
+        out.append(Reward(value + penalty, match, fmt_ok, err, penalty))
     return out
 
 

@@ -8,7 +8,8 @@ observe; then reward them, one typed Episode each (what a GRPO step carries to t
 
 An episode: the prompt (chat template) is sampled until a stop string, EOS or the turn's budget;
 the env parses the turn and runs its SQL; the observation's tokens are appended (loss mask 0) and
-the next turn samples after them; `_end_reason` alone decides when an episode ends. Token in,
+the next turn samples after them; `_end_reason` alone decides when an episode ends, and
+END_REASONS names why (Trajectory.end_reason; TRUNCATED: those that ran out of room). Token in,
 token out: ids are never re-tokenized, the loss mask is 1 exactly on sampled tokens, logprobs are
 the sampler's (log softmax of logits / temperature). The engine (engine/engine.py: paged KV cache,
 continuous batching) keeps every row's cache between turns. All episodes start in one engine.add,
@@ -38,6 +39,33 @@ from sqltask import dataset
 from sqltask.chat import conversation_pieces, eos_ids, observation_ids, render_prompt
 
 
+# Why an episode ended: Trajectory.end_reason, one of these (the step's train/end_<reason> and the
+# eval's eval/end_<reason> are the fraction of episodes per reason). A new way to end needs a name here.
+END_REASONS = {
+    "answer": "the env read a final answer (a closed <solution>, or ANSWER)",
+    "turn_budget": "the last turn the budget allows (env.max_turns / env.step_budget) ended at its stop "
+                   "tag, or at an EOS the env stepped, without an answer",
+    "turn_cut": "the last turn the budget allows was cut at sampling.max_new_tokens before its stop tag",
+    "context": "no room left in sampling.max_context: a turn cut by it, or an observation that leaves no "
+               "room for another turn",
+    "eos": "the model closed its only message (EOS, single-message conversation) without an answer",
+}
+# Ran out of room (grpo.mask_truncated leaves these out of the loss): a hard cut in mid-turn, at a
+# length the policy is not shown (DAPO's truncation: the generation length ran out). turn_budget is
+# not one: each observation tells the policy how many turns are left, and spending them without an
+# answer is a policy failure that its format-failure reward should keep teaching against.
+TRUNCATED = ("context", "turn_cut")
+
+
+def end_reason_of(stop_reason: str, last_turn_stop: str) -> str:
+    """The END_REASONS name of an episode's end from its stop_reason (what _end_reason returned:
+    solution | max_turns | max_context | eos) and why its last turn stopped (engine Sequence.
+    stop_reason: stop | eos | length | max_context). An unknown stop_reason passes through."""
+    if stop_reason == "max_turns":
+        return "turn_cut" if last_turn_stop == "length" else "turn_budget"
+    return {"solution": "answer", "max_context": "context", "eos": "eos"}.get(stop_reason, stop_reason)
+
+
 @dataclass
 class Trajectory:
     """One episode. Its token state is its engine Sequence (`seq`, the one object the engine and
@@ -49,11 +77,20 @@ class Trajectory:
     num_tool_calls: int = 0
     final_sql: str = ""
     stop_reason: str = ""  # solution|max_turns|max_context|eos (generate: stop|eos|length|max_context)
+    end_reason: str = ""  # why the episode ended: a key of END_REASONS (rollout, replay; generate leaves "")
     finished: bool = False  # wrote a final answer (solution)
     text: str = ""  # everything after the prompt, decoded once at the end
     steps: list[dict] = field(default_factory=list)  # per env step: env.step_record (kind, arg, ok, rows)
     index: int = 0  # example index (rollout) or prompt index (generate)
     sample: int = 0  # sample index within the example's group
+
+    @property
+    def truncated(self) -> bool:  # it ran out of room (TRUNCATED), not out of turns or answered
+        return self.end_reason in TRUNCATED
+
+    @property
+    def generated_tokens(self) -> int:  # the model's own tokens (loss mask 1), every turn; no observation
+        return int(sum(self.loss_mask))
 
     @property
     def ids(self) -> list[int]:  # prompt + all turns (sampled, observation and template tokens)
@@ -220,7 +257,7 @@ def _end_reason(t: Trajectory, env_cfg, sampling_cfg, step=None, observation=Non
 
 def _end(engine: Engine, t: Trajectory, reason: str) -> bool:
     if reason:
-        t.stop_reason = reason
+        t.stop_reason, t.end_reason = reason, end_reason_of(reason, t.seq.stop_reason)
         engine.finish(t.seq)
     return bool(reason)
 
@@ -358,7 +395,7 @@ def replay(turns: list[list[str]], db_paths: list, env_cfg, *, budget: int, toke
                 raise ValueError(f"scripted episode of {names[i]}: turn {k + 1} ({said[i][1]!r}) was read as "
                                  f"{res.action.kind}, done={res.done}")
             if last:
-                t.finished, t.final_sql, t.stop_reason = True, res.action.arg, "solution"
+                t.finished, t.final_sql, t.stop_reason, t.end_reason = True, res.action.arg, "solution", "answer"
                 continue
             if tokenizer:
                 obs = observation_ids(tokenizer, res.observation, env_cfg.conversation, said[i][0][-1])
@@ -390,7 +427,8 @@ def transcript(traj: Trajectory, example: dict, db_root, final_sql: str | None =
     """What reward.episode_rewards reads of one trajectory of one dataset record. final_sql: the
     answer to execute, when the caller rewrote it (eval.py scores its one-line predictions)."""
     return Transcript(dataset.abs_db_path(example, db_root), example["gold_sql"], traj.text,
-                      traj.final_sql if final_sql is None else final_sql, traj.finished, traj.steps)
+                      traj.final_sql if final_sql is None else final_sql, traj.finished, traj.steps,
+                      traj.generated_tokens)
 
 
 def sample_episodes(sampler, tokenizer, examples, cfg, *, n: int, seed: int, greedy: bool = False,

@@ -143,7 +143,8 @@ def collect(run: Run, prompts: list[dict], stream: "PromptStream", step: int, ph
 
 def grpo_step(run: Run, prompts: list[dict], stream: "PromptStream", step: int, phase) -> tuple[list, list, dict]:
     """One GRPO step, every move in order: sample and reward (collect, with the keep mask), the
-    credit (grpo.token_advantages: each loss token's advantage), the update (update, below: old /
+    credit (grpo.token_advantages: each loss token's advantage; grpo.loss_episodes: which episodes
+    enter the loss, all but the truncated ones with grpo.mask_truncated), the update (update, below: old /
     reference logprobs once, then per mini-batch each micro-batch's packed forward, grpo.policy_loss
     on its LossInputs, backward, and the optimizer step) and the weight sync (the sampler's copy
     refreshed when a step moved the weights). Returns (kept, seen, metrics): the episodes trained on
@@ -152,18 +153,23 @@ def grpo_step(run: Run, prompts: list[dict], stream: "PromptStream", step: int, 
     g = run.cfg.grpo
     kept, seen = collect(run, prompts, stream, step, phase)  # sample, reward, keep mask
     n_kept, n_seen = all_sum([len(kept), len(seen)], run.device)
-    m = {}
-    if n_kept > 0:  # every rank joins the update (FSDP collectives), even one with no groups kept
+    m, n_trained = {}, 0
+    if n_kept > 0:
         with phase("credit"):
             advantages = grpo.token_advantages(kept, g)  # the credit: (n_loss_tokens,) per episode
+            trajs, advantages = grpo.loss_episodes(kept, advantages, g)  # grpo.mask_truncated drops truncated ones
+        n_trained = all_sum([len(trajs)], run.device)[0]
+    if n_trained > 0:  # every rank joins the update (FSDP collectives), even one with no episode to train
         with phase("update"):
-            m = update(run, [e.trajectory for e in kept], advantages)
-    else:  # all groups had equal rewards: nothing to learn from, not an error
-        run.log.print(f"step {step + 1}: every group had equal rewards: no update")
+            m = update(run, trajs, advantages)
+    else:  # all groups had equal rewards (or every kept episode was masked): nothing to learn from, not an error
+        why = "every kept episode was truncated (grpo.mask_truncated)" if n_kept else "every group had equal rewards"
+        run.log.print(f"step {step + 1}: {why}: no update")
     if any(math.isfinite(x) for x in m.pop("grad_norms", [])):  # the weights changed
         with phase("sync"):
             run.sampler.refresh(run.model)  # weight sync: the next rollout and eval sample the new policy
     m["kept_frac"] = n_kept / max(n_seen, 1)
+    m["masked_frac"] = (n_kept - n_trained) / max(n_kept, 1)  # kept episodes left out of the loss (mask_truncated)
     return kept, seen, m
 
 
@@ -334,7 +340,8 @@ def main():
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
             log.metrics(step, metrics)
             log.print(f"step {step}/{cfg.train.steps} | reward {s['reward']:+.3f} EX {100 * s['ex']:.1f}% "
-                      f"fmt-err {100 * s['format_err']:.1f}% turns {s['turns']:.2f} tools {s['tool_calls']:.2f} | "
+                      f"fmt-err {100 * s['format_err']:.1f}% trunc {100 * s['truncated']:.1f}% turns {s['turns']:.2f} "
+                      f"tools {s['tool_calls']:.2f} | "
                       f"clip {m.get('clip_frac', 0):.3f} gnorm {m.get('grad_norm', 0):.3f} | "
                       + (f"scale {scaler.scale_value:g} skips {scaler.overflow_skips} | " if scaler.active else "")
                       + f"{tok_s:.0f} tok/s | "

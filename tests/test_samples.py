@@ -63,7 +63,7 @@ def test_samples_jsonl_and_offline_wandb_table_hold_the_same_episodes(tmp_path):
 def _episode(first_rows, right):
     """A fake rollout episode whose first query returned first_rows rows (None: failed) and a reward."""
     step = {"kind": "sql", "arg": "SELECT 1", "ok": first_rows is not None, "rows": None, "n_rows": first_rows}
-    traj = SimpleNamespace(steps=[step], num_turns=2, num_tool_calls=1, loss_mask=[1, 1])
+    traj = SimpleNamespace(steps=[step], num_turns=2, num_tool_calls=1, loss_mask=[1, 1], end_reason="answer", truncated=False)
     return Episode(traj, Reward(float(right), right, True), {}, 0)
 
 

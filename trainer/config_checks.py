@@ -81,6 +81,9 @@ RANGES: dict[str, tuple[str, str]] = {
     "reward.dense_progress": ("any", ""),
     "reward.dense_step_min": ("any", ""),
     "reward.dense_step_max": ("any", ""),
+    "reward.overlong_buffer_len": (">= 0", "0 = off"),
+    "reward.overlong_max_len": (">= 0", "above reward.overlong_buffer_len when it is on"),
+    "reward.overlong_penalty_factor": (">= 0", "a penalty: the reward falls by up to this much"),
     "sampling.temperature": ("> 0", "GRPO samples at it and the trainer divides logits by it; greedy "
                                     "decoding is sampling.eval_temperature 0"),
     "sampling.top_p": ("(0, 1]", ""),
@@ -215,6 +218,9 @@ def problems(cfg, world: int = 1) -> list[str]:
     if cfg.reward.dense_step_min > cfg.reward.dense_step_max:
         out.append(f"reward.dense_step_min ({cfg.reward.dense_step_min}) must not be above reward.dense_step_max "
                    f"({cfg.reward.dense_step_max})")
+    if cfg.reward.overlong_buffer_len > 0 and cfg.reward.overlong_max_len <= cfg.reward.overlong_buffer_len:
+        out.append(f"reward.overlong_max_len ({cfg.reward.overlong_max_len}) must be above reward.overlong_buffer_len "
+                   f"({cfg.reward.overlong_buffer_len}): the penalty starts at their difference")
     if m.build_tiny and m.tiny_heads >= 1 and m.tiny_kv_heads >= 1:
         if m.tiny_hidden_size % m.tiny_heads or (m.tiny_hidden_size // m.tiny_heads) % 2:
             out.append(f"model.tiny_hidden_size={m.tiny_hidden_size} must be model.tiny_heads ({m.tiny_heads}) x an "

@@ -52,7 +52,7 @@ class Log:
             return
         for e in episodes[:show]:
             t, r = e.trajectory, e.reward
-            self.print(f"--- sample (reward {r.value:+.2f}, exec {r.exec_match}, stop {t.stop_reason}, "
+            self.print(f"--- sample (reward {r.value:+.2f}, exec {r.exec_match}, end {t.end_reason}, "
                        f"turns {t.num_turns}, tool calls {t.num_tool_calls}) "
                        f"Q: {e.example['question']}\n{t.text}\n--- gold: {e.example['gold_sql']}")
         self.sample_log.write(step, episodes, tokenizer, group_size, rows)
