@@ -200,8 +200,9 @@ def rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root
     with run as engine, ToolCalls(env_cfg) as tools:
         _continue(engine, [(t, []) for t in trajs], sampling_cfg.max_context)  # one add: a prompt's n share its prefill
         while engine.busy() or tools.busy():
-            returning = []
-            for t, step in tools.collect(engine.steps, idle=not engine.busy()):  # the env stepped a turn
+            returning, steps_before = [], engine.steps
+            collected = tools.collect(engine.steps, idle=not engine.busy())
+            for t, step in collected:  # the env stepped a turn
                 t.steps.append(env.step_record(step))
                 t.num_tool_calls += step.action.kind in ("sql", "describe", "sample", "query")
                 if step.action.kind in ("solution", "answer"):
@@ -216,12 +217,25 @@ def rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root
             tools.submit(engine.steps, [(t, dbs[t.index], tokenizer.decode(t.ids[t.seq.turn_start:]),
                                          max_turns(env_cfg) - t.seq.num_turns)
                                         for t in ended if not _end(engine, t, _end_reason(t, env_cfg, sampling_cfg))])
+            if not collected and not ended and engine.steps == steps_before:  # nothing moved: it never will
+                raise RuntimeError(_stalled(trajs, tools, engine))
         if stats is not None:
             stats.update(engine_counters(engine))
     for t in trajs:
         t.num_turns, t.text = t.seq.num_turns, tokenizer.decode(t.ids[len(t.prompt_ids):])
         t.done()
     return trajs
+
+
+def _stalled(trajs: list[Trajectory], tools: "ToolCalls", engine: Engine) -> str:
+    """The error of a rollout iteration in which nothing moved (no tool result came back, no turn
+    ended, the engine ran no forward), naming the episodes still open and where each stands."""
+    open_ = [t for t in trajs if t.seq.status not in ("done",)]
+    shown = [f"episode {t.index} (turn {t.seq.num_turns}, status {t.seq.status}, {len(t.steps)} env steps, "
+             f"{len(t.ids)} tokens)" for t in open_[:4]]
+    return (f"rollout: an iteration at engine step {engine.steps} moved nothing ({len(tools.pending)} tool "
+            f"batches pending, engine busy: {engine.busy()}); it would loop forever. Open: {', '.join(shown)}"
+            + (f" and {len(open_) - 4} more" if len(open_) > 4 else ""))
 
 
 def engine_counters(engine: Engine) -> dict:

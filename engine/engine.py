@@ -16,7 +16,10 @@ appends the tokens and logprobs and decides which turns ended: EOS, a stop strin
 max_new_tokens ("length") or max_context. The device stops a row at a token that may end its
 turn; the host re-checks only those rows (a false alarm decodes on in the next window).
 
-With a logits hook (tests, benchmarks: it reads each row's ids) every window is one step.
+With a logits hook (tests, benchmarks: it reads each row's ids) every window is one step. A step
+in which nothing moves (no row took a token or ended its turn, or rows wait and nothing can be
+scheduled) raises EngineStalled naming the rows, so a broken stop or budget rule fails at once
+instead of looping.
 Tests: .venv/bin/pytest tests/test_engine.py tests/test_sampling.py
 """
 from __future__ import annotations
@@ -29,6 +32,11 @@ from engine.paged_attention import PagedKVCache
 from engine.model_runner import ModelRunner
 from engine.sampling import StopChecker
 from engine.scheduler import Scheduler, Sequence
+
+
+class EngineStalled(RuntimeError):
+    """A step in which no row moved (no token taken, no turn ended, nothing scheduled while rows
+    wait): a bug in a stop or budget rule, raised at once instead of looping forever."""
 
 
 def window_steps(cfg, device: torch.device) -> int:
@@ -131,6 +139,8 @@ class Engine:
         steps = min(self.window, max((s.budget - (len(s.ids) - s.turn_start) for s in running), default=1))
         batch = self.scheduler.schedule(steps)
         if batch is None:
+            if self.busy():  # rows wait, yet nothing can be scheduled: every later step would do the same
+                raise EngineStalled(self._stall("no forward could be scheduled", self.scheduler.running))
             return []
         copies = self.blocks.pending_copies()
         if copies:
@@ -145,7 +155,21 @@ class Engine:
         self.steps += batch.steps
         self._count_decode(batch.seqs, batch.steps)
         window = self.runner.decode(batch.seqs, batch.steps)
-        return self._append_window(batch.seqs, window)
+        ended = self._append_window(batch.seqs, window)
+        if not ended and not any(window.new):  # no row took a token, none ended: the next window repeats this one
+            raise EngineStalled(self._stall(f"a decode window of {batch.steps} step(s) moved no row", batch.seqs))
+        return ended
+
+    def _stall(self, what: str, rows: list[Sequence]) -> str:
+        """The error of a step in which nothing moved, naming the rows and where each stands."""
+        shown = [f"row {s.index} (turn {s.num_turns}: {len(s.ids) - s.turn_start} of its budget {s.budget} "
+                 f"tokens sampled, {len(s.ids)} of sampling.max_context {self.cfg.max_context} in all, "
+                 f"status {s.status})" for s in rows[:4]]
+        more = f" and {len(rows) - 4} more" if len(rows) > 4 else ""
+        return (f"engine step {self.steps}: {what}; it would loop forever. Rows: {', '.join(shown) or 'none running'}"
+                f"{more}; {len(self.scheduler.returning) + len(self.scheduler.new)} waiting, "
+                f"{self.blocks.num_free} free KV blocks. A row whose budget is spent must end its turn "
+                f"(Engine._turn_end) before the next window")
 
     def _share(self, lead: Sequence, follower: Sequence) -> None:
         follower.block_table, follower.num_cached = self.blocks.share(lead.block_table), lead.num_cached

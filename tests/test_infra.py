@@ -90,7 +90,7 @@ def test_fit_prompts_drops_long_ones_and_those_leaving_no_room():
 
 def test_transcript_uses_the_one_db_path_resolution(tmp_path):
     ex = {"db_path": "database/a/a.sqlite", "gold_sql": "SELECT 1"}
-    t = types.SimpleNamespace(text="r", final_sql="SELECT 2", finished=True, steps=[])
+    t = types.SimpleNamespace(text="r", final_sql="SELECT 2", finished=True, steps=[], generated_tokens=3)
     e = rollout.transcript(t, ex, tmp_path)
     assert e.db_path == dataset.abs_db_path(ex, tmp_path) == str((tmp_path / "database/a/a.sqlite").resolve())
     assert e.final_sql == "SELECT 2" and rollout.transcript(t, ex, tmp_path, "SELECT 3").final_sql == "SELECT 3"

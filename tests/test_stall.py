@@ -1,0 +1,50 @@
+"""A loop that cannot move fails at once, by name: the engine's step and the rollout's loop raise
+when an iteration moves nothing, instead of spinning until CI's time runs out.
+
+    .venv/bin/pytest tests/test_stall.py -q
+"""
+import time
+
+import pytest
+
+import rollout as rollout_module
+from config import EnvConfig
+from engine.engine import Engine, EngineStalled
+from rollout import generate, rollout
+from test_engine import DATA, db, examples, scfg, tok_model  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.timeout(120)  # each test here ends in seconds, or the guard is broken
+
+
+def test_a_turn_that_never_ends_stops_the_engine_naming_the_row(tok_model, monkeypatch):
+    """A broken turn-end rule (no budget, stop or EOS ever ends a turn): the row spends its budget,
+    the device stops it, and the next window would sample nothing again and again. The engine
+    raises within the turn, naming the row and its budget."""
+    tok, model = tok_model
+    monkeypatch.setattr(Engine, "_turn_end", lambda self, seq: False)
+    prompt = tok.encode("How many pets are there?", add_special_tokens=False)
+    start = time.time()
+    with pytest.raises(EngineStalled, match=r"row 1 \(turn 1: 6 of its budget 6 tokens sampled"):
+        generate(model, [prompt, prompt[:-1]], scfg(max_new_tokens=6), [], tok, seed=0, eos=[])
+    assert time.time() - start < 30
+
+
+def test_the_engine_with_working_rules_never_trips_the_guard(tok_model):
+    """The same batch with the real rules: every row ends on its budget (length), no error."""
+    tok, model = tok_model
+    prompt = tok.encode("How many pets are there?", add_special_tokens=False)
+    trajs = generate(model, [prompt, prompt[:-1]], scfg(max_new_tokens=6), [], tok, seed=0, eos=[])
+    assert [t.stop_reason for t in trajs] == ["length", "length"]
+    assert [len(t.ids) - len(t.prompt_ids) for t in trajs] == [6, 6]
+
+
+def test_a_tool_result_that_never_comes_back_stops_the_rollout_naming_the_episodes(tok_model, db, monkeypatch):
+    """Every turn's tool call is submitted, but its result is lost (collect returns nothing): the
+    engine is idle and the loop would wait forever. The rollout raises, naming the open episodes."""
+    tok, model = tok_model
+    monkeypatch.setattr(rollout_module.ToolCalls, "collect", lambda self, step, idle: [])
+    start = time.time()
+    with pytest.raises(RuntimeError, match=r"rollout: an iteration .* moved nothing .* Open: episode 0 \(turn 1"):
+        rollout(model, tok, examples(), EnvConfig(max_turns=3, workers=1), scfg(max_new_tokens=8), DATA, str(db),
+                n=2, seed=0)
+    assert time.time() - start < 60
