@@ -236,3 +236,41 @@ def test_the_captured_step_on_cuda_samples_the_eager_tokens(models, compile_step
     for a, b in zip(got[1], want[1]):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
     assert got[2] > 0 and want[2] > 0
+
+
+# -----------------------------------------------------------------------------
+# the rows the device leaves to the host (`inexact`)
+
+
+def test_only_rows_still_decoding_are_flagged_inexact(models):
+    """Near-uniform logits: no top-p nucleus closes inside the prefilter, so the device settles no
+    row. Step 1 is greedy (every row takes a token; row 1, one token left, stops); at step 2 exactly
+    the rows still decoding are flagged, take no token and stop for the window. Row 1, stopped
+    earlier in the window, is not flagged: the host must not draw a token for a row that ended."""
+    model = models[0]
+    cache, state, candidates = cached_state(model)
+    with torch.no_grad():
+        decode_step(model, cache, state, candidates, SamplingParams(greedy=True))
+        decoding, taken = state.active.clone(), state.new.clone()
+        decode_step(model, cache, state, candidates, SamplingParams(temperature=1.0, top_p=0.95))
+    assert not decoding[1] and decoding.any()
+    assert torch.equal(state.inexact, decoding)  # flagged: the rows that were still decoding, no other
+    assert torch.equal(state.new, taken) and not state.active.any()  # a flagged row took nothing and stopped
+
+
+def test_each_window_starts_with_no_row_flagged(models):
+    """The graph path keeps one DecodeState across windows: loading the next window clears the flags
+    (inexact, new, step) and activates exactly its rows, so a row the host sampled in one window is
+    not sampled again in the next."""
+    model = models[0]
+    cache, state, candidates = cached_state(model)
+    graphs = EagerGraphs(model, cache, 8, 4, candidates)
+    B = state.tokens.shape[0]
+    args = (state.tokens, state.positions, state.keys, state.left, state.tables, state.tables.shape[1])
+    with torch.no_grad():
+        window = graphs.load(*args)
+        graphs._run(window, SamplingParams(temperature=1.0, top_p=0.95))
+        assert window.inexact[:B].all()  # every row left to the host in this window
+        window = graphs.load(*args)
+    assert not window.inexact.any() and not window.new.any() and int(window.step) == 0
+    assert window.active[:B].all() and not window.active[B:].any()  # padding rows of the bucket stay off
