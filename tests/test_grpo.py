@@ -190,6 +190,37 @@ def test_lookup_bonus_only_once_and_only_for_values_the_question_does_not_spell_
     assert grpo.gold_literals({"gold_sql": "SELECT 'it''s', 'a', 'it''s'", "question": "q"}) == ["it's", "a"]
 
 
+def test_lookup_bonus_in_the_actions_protocol_pays_the_query_that_shows_the_value():
+    """The actions protocol's lookups are QUERY steps: the first query whose rows show the code earns
+    the bonus; a DESCRIBE (schema) or SAMPLE step shows no looked-up value and earns nothing, even
+    when its rows happen to hold the code."""
+    e = credit_episode(0, 1.0, ["city TEXT", "Paris4k | 3", "Paris4k | 5"])
+    for step, kind in zip(e.trajectory.steps, ["describe", "sample", "query"]):
+        step["kind"] = kind
+    e.trajectory.steps[-1]["kind"] = "answer"
+    assert grpo.turn_rewards(e, 0.2) == [0.0, 0.0, 0.2, 0.0]
+    e.trajectory.steps[1]["kind"] = "query"  # now the second step is the first query showing it
+    assert grpo.turn_rewards(e, 0.2) == [0.0, 0.2, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("mode", ["group", "batch"])
+def test_per_turn_credit_of_a_group_with_equal_returns_divides_by_eps(mode):
+    """Both episodes found the code and answered right: whole returns 1.5 and 1.5, std 0. The scale is
+    0 + eps (no 0/0): the lookup turns, at the baseline, get exactly 0; the answer turns, judged on
+    the outcome 1.0 alone, get (1.0 - 1.5) / eps (finite). By hand, eps 0.01: -50. "batch" takes the
+    std over the whole batch, here the same two returns."""
+    from config import GRPOConfig
+    batch = [credit_episode(0, 1.0, ["Paris4k"]), credit_episode(0, 1.0, ["Paris4k"])]
+    adv = grpo.token_advantages(batch, GRPOConfig(group_size=2, lookup_bonus=0.5, adv_eps=0.01, advantage=mode))
+    for a in adv:
+        assert torch.isfinite(a).all()
+        assert approx(a, [0.0, 0.0, -50.0, -50.0])
+    # the default credit on equal rewards: 0 on every token, every mode
+    for m in ("group", "batch", "none"):
+        adv = grpo.token_advantages(batch, GRPOConfig(group_size=2, advantage=m))
+        assert all(a.abs().max() == 0 for a in adv)
+
+
 # -----------------------------------------------------------------------------
 # the clipped surrogate
 
