@@ -6,6 +6,7 @@ trajectories (observation tokens masked), groups that fall back to the plain lay
     python -m pytest -q tests/test_packing.py
 """
 import copy
+import math
 import random
 import sys
 from pathlib import Path
@@ -228,3 +229,30 @@ def test_update_two_ranks_equal_one_process(tmp_path):
     assert p.returncode == 0 and len(results) == len(update_dist_check.CASES) * len(update_dist_check.UNITS), \
         out[-4000:]
     assert all(line.endswith(" ok") for line in results), results
+
+
+def test_skipped_when_one_of_the_batch_optimizer_steps_is_not_finite():
+    """Two mini-batches: the first steps, the second's advantages are NaN so its gradient is not
+    finite and its optimizer step is skipped. `skipped` is 1.0 (a step of the batch did not step,
+    train.max_bad_steps counts it), grad_norms holds both norms in order, and the weights are those
+    after the first step alone."""
+    trajs = make_trajs(seed=1)
+    n = len(trajs)
+    adv = torch.ones(n)
+    adv[n // 2:] = float("nan")  # mini-batch 2 of 2
+    cfg = C.load_config(["--grpo.mini_batches=2", "--optim.grad_clip=1e9", "--optim.micro_batch_tokens=60",
+                         "--sampling.temperature=0.9"])
+    model, first_only = make_model(1), make_model(1)
+    opt = SGDCapture(model)
+    sch = SimpleNamespace(step=lambda: None)
+    m = grpo_update(model, None, opt, sch, trajs, adv, cfg)
+    assert m["skipped"] == 1.0
+    assert math.isfinite(m["grad_norms"][0]) and not math.isfinite(m["grad_norms"][1])
+    assert len(opt.grads) == 1  # only the finite step reached the optimizer
+    half = C.load_config(["--optim.grad_clip=1e9", "--optim.micro_batch_tokens=60", "--sampling.temperature=0.9"])
+    grpo_update(first_only, None, SGDCapture(first_only), sch, trajs[:n // 2], adv[:n // 2], half)
+    for a, b in zip(model.parameters(), first_only.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+    fresh = make_model(1)
+    m = grpo_update(fresh, None, SGDCapture(fresh), sch, trajs, torch.ones(n), cfg)
+    assert m["skipped"] == 0.0  # every step finite
