@@ -82,3 +82,52 @@ def test_a_stopped_and_killed_warm_start_resumes_to_the_same_weights(tmp_path):
     assert (run / weights).read_bytes() == (tmp_path / "straight" / weights).read_bytes()
     # every line logged once, as in the run that was never stopped (checks, losses, the stop, the eval)
     assert read_metrics(run) == read_metrics(tmp_path / "straight")
+
+
+def test_a_warm_start_that_had_ended_does_not_run_again(tmp_path, monkeypatch):
+    """The warm start ends early at its stop check (step 3 of 10: the check's EX is forced to 100%)
+    and saves itself as ended; the run is killed before GRPO's ckpt_000000 is written. The same command, with another sft.save_every (a key that does not
+    change the run: allowed), resumes the ended warm start without training a step of it again:
+    ckpt_000000 holds exactly the weights the warm start ended with."""
+    import sys
+
+    import train
+    from trainer import optim, runguard
+    from test_train import small_args
+    import sft
+    args = small_args(tmp_path) + ["--sft.steps=10", "--sft.stop_at_train_ex=0.5", "--sft.stop_at_train_recovery=0",
+                                   "--sft.stop_check_every=3", "--sft.stop_check_from=0", "--sft.stop_near_ex=0",
+                                   "--sft.stop_check_unseen=false", "--sft.stop_check_questions=4",
+                                   "--sft.save_every=4", "--train.steps=0",
+                                   "--train.eval_every=0", f"--train.out_dir={tmp_path}/run", "--env.workers=1"]
+    monkeypatch.setattr(runguard, "lock_out_dir", lambda out_dir: None)  # two runs in one process
+    monkeypatch.setattr(sft, "evaluate", lambda *a, prefix="", **k: {f"{prefix}/ex": 1.0})  # the check passes
+    monkeypatch.setattr(train, "evaluate", lambda *a, **k: {"eval/ex": 0.0})
+    monkeypatch.setattr(train, "report_random_floor", lambda *a, **k: None)
+    real_save = checkpoint.save
+
+    def killed_before_ckpt0(out_dir, step, *a, name=None, **k):
+        if name is None:  # GRPO's ckpt_000000, right after the warm start saved its end
+            raise SystemExit(137)
+        return real_save(out_dir, step, *a, name=name, **k)
+    monkeypatch.setattr(checkpoint, "save", killed_before_ckpt0)
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    try:
+        train.main()
+        raise AssertionError("the first run should have been stopped before ckpt_000000")
+    except SystemExit:
+        pass
+    saved = torch.load(f"{tmp_path}/run/{checkpoint.WARM_START}/trainer.pt", weights_only=True)
+    assert saved["step"] == 3 and saved["extra"]["finished"]
+    from safetensors.torch import load_file
+    ended = load_file(f"{tmp_path}/run/{checkpoint.WARM_START}/hf/model.safetensors")
+
+    steps = []
+    real_step = optim.step_optimizer
+    monkeypatch.setattr(optim, "step_optimizer", lambda *a, **k: steps.append(1) or real_step(*a, **k))
+    monkeypatch.setattr(checkpoint, "save", real_save)
+    monkeypatch.setattr(sys, "argv", ["train.py", *args[:-3], "--sft.save_every=5", *args[-2:]])
+    train.main()
+    assert steps == []  # no warm-start step ran again (and train.steps 0: no GRPO step)
+    final = load_file(f"{tmp_path}/run/ckpt_000000/hf/model.safetensors")
+    assert final.keys() == ended.keys() and all(torch.equal(final[k], ended[k]) for k in final)
