@@ -97,6 +97,12 @@ def test_run_main_writes_the_line_to_torchruns_error_file(tmp_path, monkeypatch)
     assert shown(1) == "config error: grpo.group_size must be >= 2, got 1"
     assert runguard.run_main(raises(runguard.Stopped(signal.SIGTERM, "stopped (SIGTERM) after step 3 of 9"))) == 143
     assert shown(143) == "stopped (SIGTERM) after step 3 of 9"
+    # a Ctrl-C or SIGTERM before the step loop (set-up, the first eval): stopped at once, and said so there too
+    for signum, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        error_file.unlink(missing_ok=True)
+        assert runguard.run_main(raises(runguard.Interrupted(signum))) == status
+        assert shown(status) == (f"interrupted ({signal.Signals(signum).name}): stopped at once, nothing saved "
+                                 "since the last checkpoint")
     with pytest.raises(ZeroDivisionError):
         runguard.run_main(lambda: 1 / 0)
     assert shown(1).startswith("Traceback") and "1 / 0" in shown(1) and "ZeroDivisionError" in shown(1)
