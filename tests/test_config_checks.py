@@ -127,6 +127,13 @@ def test_keys_that_must_agree(overrides, match):
     (["--env.fetch_rows=60", "--env.max_result_rows=10", "--env.actions_max_result_rows=60"], 1, None),
     (["--env.fetch_rows=59", "--env.max_result_rows=10", "--env.actions_max_result_rows=60"], 1,
      r"env.fetch_rows=59 must be at least .* env.actions_max_result_rows \(60\)"),
+    # the tiny model's head size: hidden / heads, and even (rotary embeddings rotate pairs)
+    (["--model.tiny_hidden_size=16", "--model.tiny_heads=4", "--model.tiny_kv_heads=2"], 1, None),
+    (["--model.tiny_hidden_size=12", "--model.tiny_heads=4", "--model.tiny_kv_heads=2"], 1,
+     r"model.tiny_hidden_size=12 must be model.tiny_heads \(4\) x an even head size"),
+    # the warm start stops after N passing checks in a row: N = 0 would stop before any check
+    (["--sft.stop_checks_in_a_row=1"], 1, None),
+    (["--sft.stop_checks_in_a_row=0"], 1, r"sft.stop_checks_in_a_row must be >= 1, got 0"),
 ])
 def test_rules_between_keys_at_their_boundaries(overrides, world, error):
     cfg = C.load_config(overrides)
