@@ -569,7 +569,7 @@ def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *arg
     ScriptedSampler.made, ScriptedSampler.reward_of = [], staticmethod(reward_of)
     updates, norms = [], iter(grad_norms)
 
-    def step_optimizer(model, opt, sch, cfg):
+    def step_optimizer(model, opt, sch, cfg, scaler=None):
         g = next(norms)
         if math.isfinite(g):
             with torch.no_grad():
@@ -585,7 +585,7 @@ def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *arg
     monkeypatch.setattr(train, "evaluate", lambda *a, **k: {"eval/ex": 0.0})
     monkeypatch.setattr(train, "report_random_floor", lambda *a, **k: None)
     monkeypatch.setattr(policy_update, "batch_tokens", lambda model, ref, trajs, advantages, cfg, device: advantages)
-    monkeypatch.setattr(policy_update, "update", lambda model, trajs, idx, adv, loss, cfg, world, device, sums:
+    monkeypatch.setattr(policy_update, "update", lambda model, trajs, idx, adv, loss, cfg, world, device, sums, scaler=None:
                         updates.append(([trajs[i].tag for i in idx], [float(adv[i][0]) for i in idx])))
     monkeypatch.setattr(optim, "step_optimizer", step_optimizer)
     monkeypatch.setattr(sys, "argv", ["train.py", "configs/tiny.yaml", *assets, "--sft.steps=0", "--train.threads=0",
