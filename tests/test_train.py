@@ -569,7 +569,7 @@ def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *arg
     ScriptedSampler.made, ScriptedSampler.reward_of = [], staticmethod(reward_of)
     updates, norms = [], iter(grad_norms)
 
-    def step_optimizer(model, opt, sch, cfg):
+    def step_optimizer(model, opt, sch, cfg, scaler=None):
         g = next(norms)
         if math.isfinite(g):
             with torch.no_grad():
