@@ -189,11 +189,15 @@ def test_float16_is_a_dtype_and_float8_is_not():
 
 
 def test_fp16_kill_and_resume_is_exact(tmp_path):
-    """test_train's kill -9 test in float16 with a loss scale that moves (it grows after every
-    clean step, so it overflows and backs off again and again): the resumed run must restore the
-    scale and its counters from trainer.pt, or its steps skip elsewhere and its weights differ."""
+    """test_train's kill -9 test in float16 with a loss scale that moved: it starts at 2^40, so the
+    warm start's first steps overflow until it has come down (x 1/16 a skip: it lands well below the
+    overflow, so the GRPO steps compared have gradients) to a scale fp16 holds, and it never grows
+    back (interval 1000). The resumed run must restore the scale and its counters from trainer.pt:
+    restarted at 2^40 its next steps would be skipped and its weights would differ."""
     from test_train import assert_resumed_steps_learn_alike, learning_args, read_metrics, run_train
-    args = learning_args(tmp_path) + ["--model.dtype=float16", "--optim.loss_scale_interval=1", "--train.steps=4",
+    args = learning_args(tmp_path) + ["--model.dtype=float16", "--optim.loss_scale_init=1099511627776",
+                                      "--optim.loss_scale_interval=1000", "--optim.loss_scale_backoff=0.0625",
+                                      "--train.steps=4",
                                       "--train.save_every=1", "--train.keep_checkpoints=10"]
     p = run_train(args, tmp_path / "straight")
     out, _ = p.communicate(timeout=600)
