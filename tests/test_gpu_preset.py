@@ -8,9 +8,12 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.timeout(1200)  # its child run is bounded at 900 s itself
 def test_the_presets_run_on_cpu(tmp_path):
     out = tmp_path / "gpu"
     env = {**os.environ, "SMOKE": "1", "PARTS": "engine first second", "RUNS": str(tmp_path / "runs"),

@@ -434,6 +434,7 @@ def test_two_process_torchrun_run(tmp_path):
     assert (tmp_path / "run" / "ckpt_000003").exists()
 
 
+@pytest.mark.timeout(1200)  # three runs, each bounded at 300-400 s itself
 def test_bf16_end_to_end_with_fp32_masters_resumes_on_two_ranks(tmp_path):
     """model.dtype bfloat16 on one process: SFT, rollout, update, checkpoint all run on the FSDP2
     path with fp32 masters (the checkpoint holds fp32 weights), and the run resumes on 2 ranks
