@@ -72,18 +72,19 @@ class DecodeState:
 
 
 def decode_step(model, cache: PagedKVCache, state: DecodeState, candidates: torch.Tensor, params: SamplingParams,
-                *, on_device: bool = True, logits_hook=None) -> None:
+                *, on_device: bool = True, logits_hook=None, kv=None) -> None:
     """One token for every active row of `state`, in place; no host read when on_device.
 
     candidates (V,) bool: tokens that may end a turn. on_device=False samples every row exactly
     in the step (sampling.sample_next: one host read when a top-p nucleus is wide; CPU, tests);
-    logits_hook(logits (B, V)) -> logits: instrumentation (eager only)."""
+    logits_hook(logits (B, V)) -> logits: instrumentation (eager only). kv: the rows' K/V kept dense
+    across steps (decode_kv.DecodeKV, eager gather path), fitted to the tables; None: gather them."""
     bs, W = cache.block_size, state.tables.shape[1]
     # (B,) the slot each row's input token goes to; a stopped row's position may lie past its table
     index = (state.positions // bs).clamp(max=W - 1)
     slots = state.tables.gather(1, index[:, None]).squeeze(1) * bs + state.positions % bs
     slots = torch.where(state.active, slots, cache.scratch * bs)  # a stopped row writes nowhere that counts
-    batch = PagedBatch(cache, slots[:, None], state.tables)
+    batch = PagedBatch(cache, slots[:, None], state.tables, kv)
     logits = model.forward_paged(state.tokens[:, None], state.positions[:, None], batch)[:, -1]  # (B, V)
     if logits_hook is not None:
         logits = logits_hook(logits)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.paged_attention import PagedBatch, PagedKVCache
+from engine.decode_kv import DecodeKV
 from engine.decode_step import DecodeState, decode_step
 from engine.sampling import SamplingParams, sample_next
 from engine.scheduler import Batch, Sequence
@@ -72,7 +73,10 @@ class ModelRunner:
         self.candidates = candidates.to(self.device)
         if self.graphs is not None:
             self.graphs.set_candidates(self.candidates)
-        self.rows = DecodeRows(self.device, self.cache.block_size, self.cache.scratch)
+        # the eager gather path keeps the rows' K/V copied out across steps (decode_kv.py); graphs
+        # replay steps that do not update such a copy, and flex reads the pool in place
+        kv = DecodeKV(self.cache) if self.graphs is None and self.cache.attention == "gather" else None
+        self.rows = DecodeRows(self.device, self.cache.block_size, self.cache.scratch, kv)
 
     def sample(self, logits, keys, positions, seqs):
         """tokens (B,), logprobs (B,) for logits (B, V); positions: the sampled tokens' indices."""
@@ -149,9 +153,12 @@ class ModelRunner:
                                 out_tokens=torch.zeros(B, steps, dtype=torch.long, device=self.device),
                                 out_logps=torch.zeros(B, steps, dtype=torch.float32, device=self.device))
             hook = (lambda logits: self.hook(logits, seqs)) if self.hook is not None else None
+            kv = rows.kv if self.cache.attention == "gather" else None  # (flex may have fallen back)
+            if kv is not None:
+                kv.fit(rows.tables, blocks * bs)
             for _ in range(steps):
                 decode_step(self.model, self.cache, state, self.candidates, self.params, on_device=self.on_device,
-                            logits_hook=hook)
+                            logits_hook=hook, kv=kv)
         # one host read: (B, steps) tokens and logprobs, tokens kept, stopped, left to the host sampler
         packed = torch.cat([state.out_tokens[:B, :steps].double(), state.out_logps[:B, :steps].double(),
                             state.new[:B, None].double(), (~state.active[:B])[:, None].double(),
@@ -204,11 +211,12 @@ class DecodeRows:
     (rows end, join or are evicted) the rows that stay are selected on the device; only joining
     rows are built on the host. A row is identified by (sequence, epoch): a sequence that left and
     came back is a new row. A staying row's table is re-sent only when its block list grew or
-    changed (scheduler: reserved for a window, or copied on write).
+    changed (scheduler: reserved for a window, or copied on write). kv: the rows' K/V copied out of
+    the pool (decode_kv.py, eager gather path), moved with the rows; None when not kept.
     """
 
-    def __init__(self, device, block_size: int, scratch: int):
-        self.device, self.block_size, self.scratch = device, block_size, scratch
+    def __init__(self, device, block_size: int, scratch: int, kv: DecodeKV | None = None):
+        self.device, self.block_size, self.scratch, self.kv = device, block_size, scratch, kv
         self.ids: list[tuple[Sequence, int]] = []
         self.sent: list[list[int]] = []  # the block table each row's device table holds
         long = dict(dtype=torch.long, device=device)
@@ -232,11 +240,14 @@ class DecodeRows:
         B = len(seqs)
         tokens, positions, keys, left = (torch.zeros(B, **long) for _ in range(4))
         tables = torch.full((B, width), self.scratch, **long)
+        new = src = None
         if kept:
             new, src = (torch.tensor(x, device=self.device) for x in zip(*kept))
             tokens[new], positions[new], keys[new] = self.tokens[src], self.positions[src], self.keys[src]
             left[new] = self.left[src]
             tables[new, :self.tables.shape[1]] = self.tables[src]
+        if self.kv is not None:
+            self.kv.select(B, new, src, torch.tensor(joining, device=self.device) if joining else None)
         if joining:
             new = torch.tensor(joining, device=self.device)
             js = [seqs[i] for i in joining]

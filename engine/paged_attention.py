@@ -7,7 +7,9 @@ decode step (one token per row) reads them one of two ways, chosen by `PagedKVCa
 (config sampling.paged_attention: auto = flex on CUDA, gather on CPU):
 
 - gather, the reference and the CPU path: index_select every row's blocks into a dense
-  (B, Hk, S, D) tensor padded to the longest row, then SDPA with a mask.
+  (B, Hk, S, D) tensor padded to the longest row, then SDPA with a mask. The runner's eager
+  decode keeps that copy across steps (PagedBatch.kv, decode_kv.py): a step appends its token
+  instead of gathering every row's blocks again; the values SDPA reads are the same.
 - flex: FlexAttention over the pool in place, nothing copied. A layer's pool is viewed as one
   sequence of (n_blocks + 1) * block_size tokens; a BlockMask lists each row's physical blocks
   (its block table) and a mask cuts its last block at the row's position. On CUDA the query
@@ -96,6 +98,7 @@ class PagedBatch:
     slots: torch.Tensor  # (B, T) long: block * block_size + offset of each token (scratch for padding)
     block_tables: torch.Tensor | None  # (B, NB) long: each row's blocks in order, scratch-padded
     # None: no row has cached tokens, so attention is causal within the chunk (right padding is harmless)
+    kv: object = None  # decode_kv.DecodeKV: a decode step's rows' K/V kept dense (gather path); None: gather
 
 
 @dataclass
@@ -107,6 +110,7 @@ class Plan:
     # gather: (B, 1, T, S) bool, query t of row b sees slot j iff j <= its position
     mask: torch.Tensor | None = None
     flex: bool = False  # a decode step read in place
+    kv_index: torch.Tensor | None = None  # (B Hk,) a decode step's columns in batch.kv (DecodeKV.index)
     block_mask: object = None  # flex: the BlockMask over the pool's blocks, built by the first layer
 
     def attend(self, q, k, v, layer: int):
@@ -123,6 +127,8 @@ def prepare(batch: PagedBatch, positions: torch.Tensor) -> Plan:
         plan.flex = True
     else:
         plan.mask = gather_mask(batch, positions)
+        if batch.kv is not None and positions.shape[1] == 1:
+            plan.kv_index = batch.kv.index(positions[:, 0], batch.slots[:, 0])
     return plan
 
 
@@ -166,8 +172,11 @@ def attend(q, k, v, plan: Plan, layer: int) -> torch.Tensor:
         y = _flex_or_fallback(q, k_pool, v_pool, plan)
         if y is not None:
             return y
-    table = batch.block_tables.reshape(-1)
     S = plan.mask.shape[-1]
+    if plan.kv_index is not None:  # the rows' K/V already copied out (decode_kv.py): append this token
+        batch.kv.append(layer, k, v, plan.kv_index)
+        return sdpa(q, *batch.kv.read(layer, S), plan.mask)
+    table = batch.block_tables.reshape(-1)
     kc = k_pool.index_select(0, table).view(B, S, Hk, D).transpose(1, 2)  # (B, Hk, S, D) strided view
     vc = v_pool.index_select(0, table).view(B, S, Hk, D).transpose(1, 2)
     return sdpa(q, kc, vc, plan.mask)
