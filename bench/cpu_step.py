@@ -56,7 +56,6 @@ from trainer import packing  # noqa: E402
 import padded  # noqa: E402  (bench/padded.py: the dense mask)
 import sft  # noqa: E402
 from toy import tiny  # noqa: E402
-import grpo  # noqa: E402
 import train  # noqa: E402
 from trainer.loss_scale import LossScaler  # noqa: E402
 from trainer.distributed import all_sum, close, each_micro_batch, setup_dist, shard  # noqa: E402

@@ -6,8 +6,6 @@ overflow verdict agreeing across 2 ranks.
 """
 import subprocess
 import sys
-import time
-import signal
 import copy
 
 import pytest
@@ -15,7 +13,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import config as C
-import grpo
 from conftest import ROOT, torchrun_env
 from test_packing import make_model, make_trajs
 from trainer import config_checks, distributed, optim
@@ -194,28 +191,13 @@ def test_fp16_kill_and_resume_is_exact(tmp_path):
     overflow, so the GRPO steps compared have gradients) to a scale fp16 holds, and it never grows
     back (interval 1000). The resumed run must restore the scale and its counters from trainer.pt:
     restarted at 2^40 its next steps would be skipped and its weights would differ."""
-    from test_train import assert_resumed_steps_learn_alike, learning_args, read_metrics, run_train
+    from test_train import assert_resumed_steps_learn_alike, kill_after_step_2_and_resume, learning_args, read_metrics
     args = learning_args(tmp_path) + ["--model.dtype=float16", "--optim.loss_scale_init=1099511627776",
                                       "--optim.loss_scale_interval=1000", "--optim.loss_scale_backoff=0.0625",
                                       "--train.steps=4",
                                       "--train.save_every=1", "--train.keep_checkpoints=10"]
-    p = run_train(args, tmp_path / "straight")
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0 and "fp16: loss scale" in out, out[-3000:]
-    p = run_train(args, tmp_path / "killed")
-    deadline = time.time() + 600
-    while not (tmp_path / "killed" / "ckpt_000002").exists():
-        assert p.poll() is None and time.time() < deadline, "run ended before its step-2 checkpoint"
-        time.sleep(0.05)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    assert not (tmp_path / "killed" / "ckpt_000004").exists(), "killed too late to test anything"
-    p = run_train(args, tmp_path / "killed")
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0 and "resumed from" in out, out[-3000:]
-    a = (tmp_path / "straight" / "ckpt_000004" / "hf" / "model.safetensors").read_bytes()
-    b = (tmp_path / "killed" / "ckpt_000004" / "hf" / "model.safetensors").read_bytes()
-    assert a == b
+    out, _ = kill_after_step_2_and_resume(args, tmp_path, timeout=600)
+    assert "fp16: loss scale" in out, out[-3000:]
     assert_resumed_steps_learn_alike(tmp_path / "straight", tmp_path / "killed", (3, 4))
     ms = {r["step"]: r for r in read_metrics(tmp_path / "straight") if "train/loss_scale" in r}
     mr = {r["step"]: r for r in read_metrics(tmp_path / "killed") if "train/loss_scale" in r}

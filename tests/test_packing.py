@@ -18,7 +18,7 @@ import torch
 import config as C
 import grpo
 from trainer import packing
-from conftest import grpo_update, loss_of
+from conftest import grpo_update
 from model import ModelArgs, Transformer
 from rollout import Trajectory
 

@@ -488,16 +488,15 @@ def test_a_checkpoint_of_another_vocabulary_is_not_resumed(tmp_path, tiny_model)
     checkpoint.check_resumable(str(ck), cfg, other)
 
 
-def test_kill_and_resume_is_exact(tmp_path):
-    """4 steps straight vs killed after the step-2 checkpoint and resumed: identical weights, on
-    a run that learns (grad_norm > 0 at the steps after the resume, under LR warmup)."""
-    args = learning_args(tmp_path) + ["--train.steps=4", "--train.save_every=1", "--train.keep_checkpoints=10",
-                                      "--optim.warmup_steps=3"]
+def kill_after_step_2_and_resume(args, tmp_path, timeout=300) -> tuple[str, str]:
+    """A 4-step run straight (<tmp>/straight) and the same run killed with SIGKILL once its step-2
+    checkpoint exists, then resumed by the same command (<tmp>/killed): both must end, the resumed
+    one saying so, with identical step-4 weights. Returns (straight's output, the resumed output)."""
     p = run_train(args, tmp_path / "straight")
-    out, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, out[-3000:]
+    out_straight, _ = p.communicate(timeout=timeout)
+    assert p.returncode == 0, out_straight[-3000:]
     p = run_train(args, tmp_path / "killed")
-    deadline = time.time() + 300
+    deadline = time.time() + timeout
     while not (tmp_path / "killed" / "ckpt_000002").exists():
         assert p.poll() is None and time.time() < deadline, "run ended before its step-2 checkpoint"
         time.sleep(0.05)
@@ -505,11 +504,20 @@ def test_kill_and_resume_is_exact(tmp_path):
     p.wait()
     assert not (tmp_path / "killed" / "ckpt_000004").exists(), "killed too late to test anything"
     p = run_train(args, tmp_path / "killed")
-    out, _ = p.communicate(timeout=300)
+    out, _ = p.communicate(timeout=timeout)
     assert p.returncode == 0 and "resumed from" in out, out[-3000:]
     a = (tmp_path / "straight" / "ckpt_000004" / "hf" / "model.safetensors").read_bytes()
     b = (tmp_path / "killed" / "ckpt_000004" / "hf" / "model.safetensors").read_bytes()
     assert a == b
+    return out_straight, out
+
+
+def test_kill_and_resume_is_exact(tmp_path):
+    """4 steps straight vs killed after the step-2 checkpoint and resumed: identical weights, on
+    a run that learns (grad_norm > 0 at the steps after the resume, under LR warmup)."""
+    args = learning_args(tmp_path) + ["--train.steps=4", "--train.save_every=1", "--train.keep_checkpoints=10",
+                                      "--optim.warmup_steps=3"]
+    kill_after_step_2_and_resume(args, tmp_path)
     # the rollouts and updates after resume were the same too: identical per-step training metrics
     assert_resumed_steps_learn_alike(tmp_path / "straight", tmp_path / "killed", (3, 4))
 
