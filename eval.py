@@ -238,7 +238,7 @@ def generate_chunk(sampler, tok, exs: list[dict], first: int, cfg, n: int, seed:
                      "error": rw.error or None, "stop_reason": t.stop_reason, "end_reason": t.end_reason,
                      "finished": t.finished,
                      "num_turns": t.num_turns, "num_tool_calls": t.num_tool_calls,
-                     "response_tokens": int(sum(t.loss_mask)), "turns": t.turn_texts(tok),
+                     "response_tokens": t.generated_tokens, "turns": t.turn_texts(tok),
                      "first_query_bad": env.first_query_bad(t.steps), "_key": keys[k]})
     return recs
 

@@ -230,7 +230,7 @@ def rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root
 def _stalled(trajs: list[Trajectory], tools: "ToolCalls", engine: Engine) -> str:
     """The error of a rollout iteration in which nothing moved (no tool result came back, no turn
     ended, the engine ran no forward), naming the episodes still open and where each stands."""
-    open_ = [t for t in trajs if t.seq.status not in ("done",)]
+    open_ = [t for t in trajs if t.seq.status != "done"]
     shown = [f"episode {t.index} (turn {t.seq.num_turns}, status {t.seq.status}, {len(t.steps)} env steps, "
              f"{len(t.ids)} tokens)" for t in open_[:4]]
     return (f"rollout: an iteration at engine step {engine.steps} moved nothing ({len(tools.pending)} tool "
