@@ -11,7 +11,7 @@
 
 In a run (train.py, sft.py): `evaluate` (held-out episodes, greedy, the eval/* metrics) and
 `report_random_floor` (the random policy's EX before GRPO, eval/random_*). Every path samples and
-scores as training does: rollout.sample_episodes (the random floor: rollout.replay of
+scores as training does: rollout.sample_episodes (the random floor: replay.replay of
 sqltask/random_turns.py's turns), then reward.episode_rewards.
 
 `generate`: multi-turn episodes of a model on a dataset, greedy unless --temperature > 0 (default:
@@ -43,6 +43,7 @@ from pathlib import Path
 import config as C
 import env
 import reward
+import replay
 import rollout
 from rollout import sample_episodes
 from sqltask import dataset, exec_match, random_turns, sandbox, spider_score
@@ -118,11 +119,11 @@ def evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step: int, pr
 
 def random_floor(examples: list[dict], cfg, *, seed: int, samples: int = 1) -> tuple[dict, list]:
     """The random policy's episodes (sqltask/random_turns.py: random tool calls over the real
-    schema, then a random answer), played through the env (rollout.replay) and scored by the same
+    schema, then a random answer), played through the env (replay.replay) and scored by the same
     reward code as any rollout. Returns (summary: means of ex, reward, format_err, turns, tool_calls
     and n; the rollout.Episode list, example-major)."""
     db_paths, turns = random_turns.random_turns(examples, cfg.env, cfg.data.db_root, seed=seed, samples=samples)
-    trajs = rollout.replay(turns, db_paths, cfg.env, budget=cfg.env.max_turns)
+    trajs = replay.replay(turns, db_paths, cfg.env, budget=cfg.env.max_turns)
     reps = [ex for ex in examples for _ in range(samples)]
     rewards = reward.episode_rewards([rollout.transcript(t, ex, cfg.data.db_root) for t, ex in zip(trajs, reps)],
                                      cfg.reward, cfg.env.protocol)
@@ -235,7 +236,7 @@ def generate_chunk(sampler, tok, exs: list[dict], first: int, cfg, n: int, seed:
                      "db_id": ex["db_id"], "question": ex["question"], "gold_sql": ex["gold_sql"],
                      "prediction": line if ok else PLACEHOLDER, "reward": rw.value,
                      "exec_match": bool(rw.exec_match), "format_ok": bool(rw.format_ok),
-                     "error": rw.error or None, "stop_reason": t.stop_reason, "end_reason": t.end_reason,
+                     "error": rw.error or None, "end_reason": t.end_reason,
                      "finished": t.finished,
                      "num_turns": t.num_turns, "num_tool_calls": t.num_tool_calls,
                      "response_tokens": t.generated_tokens, "turns": t.turn_texts(tok),
@@ -373,7 +374,7 @@ def cmd_generate(args) -> None:
             json.dump(summary, fh, indent=1)
         first = recs[0] if recs else None
         if first:
-            say(f"--- example 0 ({'correct' if first['exec_match'] else 'wrong'}, stop {first['stop_reason']}): "
+            say(f"--- example 0 ({'correct' if first['exec_match'] else 'wrong'}, end {first['end_reason']}): "
                 f"{first['question']}\n" + "".join(t["text"] + t["observation"] for t in first["turns"])[:800])
         extra = (f" | pass@{args.n} {100 * summary['pass@k'][str(args.n)]:.1f}% "
                  f"per-sample {100 * summary['ex_per_sample']:.1f}%") if args.n > 1 else ""

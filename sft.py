@@ -1,5 +1,5 @@
 """SFT warm start: next-token training on gold episodes written in the run's protocol (the turns:
-sqltask/gold_turns.py; played through the env and tokenized as a rollout appends them: rollout.replay).
+sqltask/gold_turns.py; played through the env and tokenized as a rollout appends them: replay.replay).
 
 Loss only on the model-side tokens (mask 1), never on the prompt or the observations.
 train.py calls run_sft (the loop) before GRPO when `sft.steps > 0`, or warm_start_base in a LoRA
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import replay
 import rollout
 from eval import evaluate
 from model import Transformer
@@ -37,12 +38,12 @@ from trainer.policy_sampler import PolicySampler
 
 def gold_episodes(examples, prompt_ids, tokenizer, cfg, db_paths, turns=None) -> list:
     """Every record's gold episode (sqltask/gold_turns.py's turns, or `turns` when given) played
-    through the env and tokenized as a rollout appends it (rollout.replay): rollout.Trajectory
+    through the env and tokenized as a rollout appends it (replay.replay): rollout.Trajectory
     each, mask 1 on the model's turns. prompt_ids: rendered prompts (chat.render_prompt);
     tokenizer None: text only. A gold the env does not read as written raises ValueError naming the record."""
     budget = rollout.max_turns(cfg.env)
     turns = turns or [gold_turns(ex, cfg, str(db), budget) for ex, db in zip(examples, db_paths)]
-    return rollout.replay(turns, db_paths, cfg.env, budget=budget, tokenizer=tokenizer, prompt_ids=prompt_ids,
+    return replay.replay(turns, db_paths, cfg.env, budget=budget, tokenizer=tokenizer, prompt_ids=prompt_ids,
                           names=[ex.get("id") for ex in examples])
 
 

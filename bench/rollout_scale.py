@@ -8,7 +8,7 @@ recipe's ratio (400k tokens per GPU for 29k-token trajectories) times max_contex
 holds more KV tokens than the pool: rows are admitted as blocks free up, and evicted and
 recomputed when the pool runs out.
 
-Printed: the workload, the engine's counters (rollout.engine_counters), where the pool's blocks
+Printed: the workload, the engine's counters (Engine.counters), where the pool's blocks
 went, then the headline:
 
     prefilled_per_distinct_prompt_token  prompt tokens prefilled / distinct prompt tokens
@@ -165,7 +165,7 @@ def main():
     print(f"workload: {len(examples)} prompts x G={a.group} = {len(trajs)} trajectories, max_turns {a.max_turns}, "
           f"tool_wait {a.tool_wait}; distinct prompt tokens {distinct} (x G = {distinct * a.group})")
     print(f"  turns {sum(t.num_turns for t in trajs)}, tool calls {sum(t.num_tool_calls for t in trajs)}, "
-          f"stop reasons {sorted({t.stop_reason for t in trajs})}; tokens all {sum(tokens)}, max {max(tokens)}")
+          f"end reasons {sorted({t.end_reason for t in trajs})}; tokens all {sum(tokens)}, max {max(tokens)}")
     bs, pool = a.block_size, stats["pool_blocks"]
     print(f"kv pool {pool} blocks of {bs} ({budget} budget tokens; the work's tokens / pool tokens "
           f"{sum(tokens) / (pool * bs):.2f}), {seconds:.1f} s")

@@ -94,10 +94,12 @@ class Engine:
         self.blocks = BlockManager(n_blocks, bs)
         self.scheduler = Scheduler(self.blocks, self.cfg.max_decode_rows, self.cfg.prefill_tokens)
         self.runner.reset(stopper.candidates(self.model.config.vocab_size), greedy=greedy, logits_hook=logits_hook)
+        self.version = getattr(self, "version", 0)  # the weights' version each sampled token records (kept across resets)
+        self.resets = getattr(self, "resets", 0) + 1  # runs started on this pool: a caller sees whether another used it
         self.window = 1 if logits_hook is not None else window_steps(self.cfg, self.device)
         # what a benchmark reads: steps, and per decode step the live rows and the blocks in use
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "live_rows": 0, "blocks_used": 0, "tokens_live": 0}
-        self.steps = 0  # forwards run (the clock ToolCalls schedules by)
+        self.steps = 0  # forwards run since the reset
 
     def __enter__(self):
         self._was_training = self.model.training
@@ -111,6 +113,17 @@ class Engine:
     @property
     def evictions(self) -> int:
         return self.scheduler.evictions
+
+    def counters(self) -> dict:
+        """What the work since the last reset cost: stats (steps; per decode step summed: live_rows,
+        blocks_used, tokens_live) plus evictions, prefill_tokens (tokens fed to prefill forwards:
+        prompts, observations with the turn's last sampled token, recomputed rows), prompt_prefill_tokens
+        (of them, new prompts': once per distinct prompt), peak_blocks (most KV blocks in use at once)
+        and pool_blocks (the pool's size)."""
+        sched = self.scheduler
+        return dict(self.stats, evictions=self.evictions, prefill_tokens=sched.prefilled_tokens,
+                    prompt_prefill_tokens=sched.prefilled_prompt_tokens, peak_blocks=self.blocks.peak_used,
+                    pool_blocks=self.blocks.num_blocks)
 
     def busy(self) -> bool:
         return self.scheduler.busy()
@@ -127,6 +140,19 @@ class Engine:
     def finish(self, seq: Sequence) -> None:
         """The sequence is done: give its blocks back."""
         self.scheduler.finish(seq)
+
+    def readmit(self, seqs: list[Sequence]) -> None:
+        """Sequences of an earlier run, continued on this one (after reset: their K/V are gone).
+        Each is recomputed from its ids by a prefill, as an evicted row is: a row in mid-turn (running
+        or waiting) is queued and continues its turn where it stopped; a paused one (its turn ended)
+        waits for add() as before. Tokens and their randomness are per position, so a recomputed row
+        samples what it would have, up to the floats of its K/V (now computed by the current weights)."""
+        for s in seqs:
+            assert s.status in ("running", "waiting", "paused"), s.status
+            s.block_table, s.num_cached, s.followers = [], 0, []
+            if s.status != "paused":
+                s.status = "waiting"
+                self.scheduler.returning.append([s])
 
     # -------------------------------------------------------------------------
     # one step: schedule -> run -> postprocess
@@ -189,6 +215,7 @@ class Engine:
             s.ids.append(int(token))
             s.loss_mask.append(1)
             s.logprobs.append(logp)
+            s.versions.append(self.version)
             if self._turn_end(s):
                 ended.append(s)
         return ended
@@ -198,16 +225,18 @@ class Engine:
         stopped can have ended its turn (its last token)."""
         ended = []
         steps = len(window.tokens[0]) if seqs else 0
-        ones = [1] * steps
+        ones, versions = [1] * steps, [self.version] * steps
         for s, tokens, logps, n, stopped in zip(seqs, window.tokens, window.logprobs, window.new, window.stopped):
             if n == steps:  # most rows: the whole window, no slices copied
                 s.ids += tokens
                 s.logprobs += logps
                 s.loss_mask += ones
+                s.versions += versions
             else:
                 s.ids += tokens[:n]
                 s.logprobs += logps[:n]
                 s.loss_mask += ones[:n]
+                s.versions += versions[:n]
             s.num_cached += n
             if stopped and self._turn_end(s):
                 ended.append(s)

@@ -38,6 +38,8 @@ class Sequence:
     index: int = 0  # the caller's id for it (trajectory index)
     loss_mask: list[int] = field(default_factory=list)  # aligned to ids: 1 on sampled tokens
     logprobs: list[float] = field(default_factory=list)  # aligned to ids: 0.0 where mask is 0
+    versions: list[int] = field(default_factory=list)  # aligned to ids: the weights' version (Engine.version)
+    #                                                    that sampled each token, 0 where nothing was sampled
     turn_start: int = 0  # where the current turn's sampled tokens begin in ids
     num_turns: int = 0
     budget: int = 0  # tokens this turn may sample (max_new_tokens, or less near max_context)
@@ -52,6 +54,15 @@ class Sequence:
         n = len(self.ids)
         self.loss_mask = self.loss_mask or [0] * n
         self.logprobs = self.logprobs or [0.0] * n
+        self.versions = self.versions or [0] * n
+
+    def extend(self, ids: list[int], *, loss: bool = False) -> None:
+        """Append tokens this engine did not sample: an observation (loss mask 0), or with loss=True a
+        scripted turn the loss trains on (loss mask 1; logprob and version 0: no sampler saw it)."""
+        self.ids.extend(ids)
+        self.loss_mask.extend([int(loss)] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+        self.versions.extend([0] * len(ids))
 
 
 @dataclass

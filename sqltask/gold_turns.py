@@ -1,5 +1,5 @@
 """Gold turns: what a perfect policy would write, turn by turn, in the run's protocol (the SFT warm
-start's episodes: sft.gold_episodes plays them through the env with rollout.replay, tokenized exactly
+start's episodes: sft.gold_episodes plays them through the env with replay.replay, tokenized exactly
 as a rollout appends them, so SFT and RL see the same tokens).
 
     tags     <think>{think}</think>\n<sql>{lookup}</sql> | (observation) |

@@ -98,7 +98,7 @@ def summarise_generation(recs: list[dict], n: int, label: str) -> tuple[dict, li
               # share that still ended right (what reading an observation and retrying earns)
               "first_query_bad": sum(r["first_query_bad"] for r in recs),
               "recovered": sum(r["first_query_bad"] and r["exec_match"] for r in recs),
-              "stop_reasons": dict(collections.Counter(r["stop_reason"] for r in recs).most_common())})
+              "end_reasons": dict(collections.Counter(r["end_reason"] for r in recs).most_common())})
     s["recovery_rate"] = s["recovered"] / s["first_query_bad"] if s["first_query_bad"] else None
     for r in recs:
         r["chosen"] = r["sample"] == chosen[r["index"]]

@@ -1,5 +1,5 @@
 """The random policy: what it writes, turn by turn (the floor under "did it learn?": eval.random_floor
-plays these turns through the real env with rollout.replay and scores them with the same reward as
+plays these turns through the real env with replay.replay and scores them with the same reward as
 any rollout, so the number compares with held-out EX).
 
 Each episode draws its actions at random from the protocol instead of a model: a random number of

@@ -154,7 +154,7 @@ def ref_rollout(model, tok, exs, ecfg, cfg, db_root, *, n, seed, greedy, hook=No
                      tools=0, final_sql="", finished=False, reason="", steps=[])
             ids = t["ids"]
             if len(ids) >= cfg.max_context:
-                t["reason"] = "max_context"
+                t["reason"] = "context"
             while not t["reason"]:
                 t["turns"] += 1
                 start = len(ids)
@@ -163,23 +163,23 @@ def ref_rollout(model, tok, exs, ecfg, cfg, db_root, *, n, seed, greedy, hook=No
                 t["lps"] += lps
                 t["spans"].append((start, len(ids)))
                 if why == "max_context" or (why == "eos" and not conv):
-                    t["reason"] = why
+                    t["reason"] = "context" if why == "max_context" else "eos"
                     break
                 left = ecfg.max_turns - t["turns"]
                 res = env.step_batch([str(db_root / ex["db_path"])], [tok.decode(ids[start:])], [left], ecfg)[0]
                 t["steps"].append(env.step_record(res))
                 t["tools"] += res.action.kind in ("sql", "describe", "sample", "query")
                 if res.action.kind in ("solution", "answer"):
-                    t.update(finished=True, final_sql=res.action.arg, reason="solution")
-                elif left <= 0:
-                    t["reason"] = "max_turns"
+                    t.update(finished=True, final_sql=res.action.arg, reason="answer")
+                elif left <= 0:  # the budget's last turn: cut by max_new_tokens, or ended without an answer
+                    t["reason"] = "turn_cut" if why == "length" else "turn_budget"
                 else:
                     obs = res.observation
                     if conv:
                         obs = ("" if ids[-1] == close_id else close) + before + obs.strip() + after
                     obs_ids = tok.encode(obs, add_special_tokens=False)
                     if len(ids) + len(obs_ids) >= cfg.max_context:
-                        t["reason"] = "max_context"
+                        t["reason"] = "context"
                     else:
                         ids += obs_ids
                         t["mask"] += [0] * len(obs_ids)
@@ -196,7 +196,7 @@ def assert_same(got, want):
         assert g.loss_mask == w["mask"]
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w["lps"]), atol=1e-5, rtol=0)
         assert (g.turn_spans, g.num_turns, g.num_tool_calls) == (w["spans"], w["turns"], w["tools"])
-        assert (g.stop_reason, g.finished, g.final_sql) == (w["reason"], w["finished"], w["final_sql"])
+        assert (g.end_reason, g.finished, g.final_sql) == (w["reason"], w["finished"], w["final_sql"])
         assert g.steps == w["steps"] and g.text == w["text"]
 
 
@@ -218,7 +218,7 @@ def test_generate_matches_reference(tok_model, greedy, top_k, top_p):
     for i, (p, g) in enumerate(zip(prompts, got)):
         ids = list(p)
         lps, why = ref_turn(model, ids, row_key(3, i), i, 1, cfg, stopper, greedy, None)
-        assert g.ids == ids and g.stop_reason == why
+        assert g.ids == ids and g.turn_stop == why
         assert g.loss_mask == [0] * len(p) + [1] * len(lps)
         assert torch.allclose(torch.tensor(g.logprobs[len(p):]), torch.tensor(lps), atol=1e-5, rtol=0)
     if not greedy:  # the samples differ between repeats of a prompt (own keys), not between runs
@@ -241,7 +241,7 @@ def test_rollout_matches_reference(tok_model, db, conversation, greedy):
     want = ref_rollout(model, tok, examples(), ecfg, cfg, db, n=3, seed=5, greedy=greedy, hook=hook)
     assert_same(got, want)
     reasons = {w["reason"] for w in want}
-    assert {"solution", "max_turns"} <= reasons, reasons  # the script reaches both ends
+    assert "answer" in reasons and reasons & {"turn_budget", "turn_cut"}, reasons  # the script reaches both ends
     assert sum(w["tools"] for w in want) >= 3
 
 
@@ -271,7 +271,7 @@ def test_rollout_matches_reference_under_small_budgets(tok_model, db, engines, b
     got = rollout(model, tok, examples(), ecfg, cfg, DATA, str(db), n=4, seed=9, logits_hook=hook)
     want = ref_rollout(model, tok, examples(), ecfg, cfg, db, n=4, seed=9, greedy=False, hook=hook)
     assert_same(got, want)
-    assert "max_context" in {w["reason"] for w in want}
+    assert "context" in {w["reason"] for w in want}
     assert (engines[0].evictions > 0) == (budget == 400)
 
 
@@ -297,7 +297,7 @@ def test_equal_length_prompts_each_match_their_own_reference_turn(tok_model, gre
     for i, (p, g) in enumerate(zip(prompts, got)):
         ids = list(p)
         lps, why = ref_turn(model, ids, row_key(4, i), i, 1, cfg, stopper, greedy, None)
-        assert g.prompt_ids == p and g.ids == ids and g.stop_reason == why
+        assert g.prompt_ids == p and g.ids == ids and g.turn_stop == why
         assert torch.allclose(torch.tensor(g.logprobs[len(p):]), torch.tensor(lps), atol=1e-5, rtol=0)
         turns.append(ids[len(p):])
     assert turns[0] != turns[3]  # the two prompts' references differ: a mix-up cannot pass
@@ -355,10 +355,10 @@ def test_decode_windows_match_reference(biased, window):
     for i, (p, g) in enumerate(zip(prompts, got)):
         ids = list(p)
         lps, why = ref_turn(model, ids, row_key(11, i), i, 1, cfg, stopper, False, None)
-        assert g.ids == ids and g.stop_reason == why
+        assert g.ids == ids and g.turn_stop == why
         assert torch.allclose(torch.tensor(g.logprobs[len(p):]), torch.tensor(lps), atol=1e-5, rtol=0)
         false_alarms += int(candidates[g.ids[len(p):-1]].sum())
-    assert {"stop", "eos", "length"} <= {g.stop_reason for g in got}, [g.stop_reason for g in got]
+    assert {"stop", "eos", "length"} <= {g.turn_stop for g in got}, [g.turn_stop for g in got]
     assert false_alarms > 0  # rows the device stopped on a token that ended nothing decoded on
 
 

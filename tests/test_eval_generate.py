@@ -169,7 +169,7 @@ def test_files_order_and_placeholders(setup, greedy_run):
     assert [t["index"] for t in traces] == list(range(LIMIT))
     for t, p in zip(traces, preds):
         assert t["prediction"] == p and t["chosen"]
-        assert set(t) >= {"turns", "reward", "exec_match", "stop_reason", "format_ok", "num_tool_calls"}
+        assert set(t) >= {"turns", "reward", "exec_match", "end_reason", "format_ok", "num_tool_calls"}
         assert 1 <= len(t["turns"]) == t["num_turns"] <= 2
         assert all(set(u) == {"text", "observation"} for u in t["turns"])
         if not t["format_ok"]:
@@ -228,7 +228,7 @@ def stub_rollout(plan):
                 ids = tok.encode(text)
                 out.append(Trajectory.of([], ids, [1] * len(ids), [0.0] * len(ids),
                                          turn_spans=[(0, len(ids))], num_turns=1, final_sql=sql.strip(),
-                                         stop_reason="solution" if kind else "max_turns", finished=kind is not None,
+                                         end_reason="answer" if kind else "turn_budget", finished=kind is not None,
                                          text=text))
         return out
     return fake

@@ -48,7 +48,7 @@ def test_reused_sampler_equals_fresh_engines(tok_model, db):  # noqa: F811
         assert [t.ids for t in got] == [t.ids for t in want]
         assert [t.logprobs for t in got] == [t.logprobs for t in want]
         assert [t.loss_mask for t in got] == [t.loss_mask for t in want]
-        assert [t.stop_reason for t in got] == [t.stop_reason for t in want]
+        assert [t.end_reason for t in got] == [t.end_reason for t in want]
         assert sampler.engine.cache.k is pool and sampler.engine.runner is runner  # allocated once
     assert pool.shape[1] == SAMPLING.kv_budget_tokens // SAMPLING.block_size + 1  # the budget's blocks + scratch
 

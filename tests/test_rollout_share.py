@@ -24,7 +24,8 @@ from model import Transformer
 from toy import tiny
 from engine.block_manager import BlockManager
 from config import DataConfig, EnvConfig, SamplingConfig
-from rollout import ToolCalls, rollout
+from rollout import rollout
+from sqltask.tool_calls import ToolCalls
 from sqltask.chat import render_prompt
 from engine.scheduler import Scheduler, Sequence
 
@@ -160,7 +161,7 @@ def test_rollout_prefills_each_prompt_once_and_rows_equal_unshared(tok_model, db
     for g, w in zip(got, want):
         assert g.ids == w.ids and g.loss_mask == w.loss_mask and g.turn_spans == w.turn_spans
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-6, rtol=0)
-        assert (g.stop_reason, g.num_tool_calls, g.steps) == (w.stop_reason, w.num_tool_calls, w.steps)
+        assert (g.end_reason, g.num_tool_calls, g.steps) == (w.end_reason, w.num_tool_calls, w.steps)
     samples = [g.ids[len(g.prompt_ids):g.turn_spans[0][0] + 2] for g in got]
     assert len(set(map(tuple, samples))) > n  # rows sampled their own tokens (not one per prompt)
 
@@ -238,7 +239,7 @@ def test_slow_tool_call_holds_only_its_row_in_async(tok_model, db, monkeypatch, 
     for g, w in zip(got, want):
         assert g.ids == w.ids and g.turn_spans == w.turn_spans and g.steps == w.steps
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)  # other batches: fp32 sums ~1e-6 apart
-    assert [g.num_tool_calls for g in got] == [1] * n and {g.stop_reason for g in got} == {"solution"}
+    assert [g.num_tool_calls for g in got] == [1] * n and {g.end_reason for g in got} == {"answer"}
 
 
 def test_async_samples_equal_fixed_with_random_tool_delays(tok_model, db, monkeypatch):
@@ -263,4 +264,4 @@ def test_async_samples_equal_fixed_with_random_tool_delays(tok_model, db, monkey
 
 def test_unknown_tool_wait_is_a_clear_error():
     with pytest.raises(ValueError, match="env.tool_wait='sometimes'"):
-        ToolCalls(EnvConfig(tool_wait="sometimes"))
+        ToolCalls(EnvConfig(tool_wait="sometimes"), env.step_batch)

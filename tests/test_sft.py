@@ -119,7 +119,7 @@ def test_gold_tokens_are_what_a_forced_rollout_appends(assets, protocol, convers
     for t, e in zip(trajs, eps):
         assert t.ids == e.ids and t.loss_mask == e.loss_mask, (tok.decode(t.ids[len(t.prompt_ids):]), e.text)
         assert (t.steps, t.final_sql, t.finished, t.text) == (e.steps, e.final_sql, True, e.text)
-        assert t.stop_reason == "solution"
+        assert (t.end_reason, t.turn_stop) == ("answer", "stop")
 
 
 def test_tool_turns_that_do_not_fit_are_left_out_describes_first(assets):

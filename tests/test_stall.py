@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-import rollout as rollout_module
 from config import EnvConfig
 from engine.engine import Engine, EngineStalled
 from rollout import generate, rollout
+from sqltask.tool_calls import ToolCalls
 from test_engine import DATA, db, examples, scfg, tok_model  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(120)  # each test here ends in seconds, or the guard is broken
@@ -34,7 +34,7 @@ def test_the_engine_with_working_rules_never_trips_the_guard(tok_model):
     tok, model = tok_model
     prompt = tok.encode("How many pets are there?", add_special_tokens=False)
     trajs = generate(model, [prompt, prompt[:-1]], scfg(max_new_tokens=6), [], tok, seed=0, eos=[])
-    assert [t.stop_reason for t in trajs] == ["length", "length"]
+    assert [t.turn_stop for t in trajs] == ["length", "length"]
     assert [len(t.ids) - len(t.prompt_ids) for t in trajs] == [6, 6]
 
 
@@ -42,7 +42,7 @@ def test_a_tool_result_that_never_comes_back_stops_the_rollout_naming_the_episod
     """Every turn's tool call is submitted, but its result is lost (collect returns nothing): the
     engine is idle and the loop would wait forever. The rollout raises, naming the open episodes."""
     tok, model = tok_model
-    monkeypatch.setattr(rollout_module.ToolCalls, "collect", lambda self, step, idle: [])
+    monkeypatch.setattr(ToolCalls, "collect", lambda self, step, idle: [])
     start = time.time()
     with pytest.raises(RuntimeError, match=r"rollout: an iteration .* moved nothing .* Open: episode 0 \(turn 1"):
         rollout(model, tok, examples(), EnvConfig(max_turns=3, workers=1), scfg(max_new_tokens=8), DATA, str(db),

@@ -13,6 +13,7 @@ import torch
 import config as C
 import eval as evaluation
 import grpo
+import replay
 import rollout
 import sweep
 from config import DataConfig, EnvConfig, RewardConfig
@@ -70,15 +71,8 @@ def test_end_reasons_of_crafted_episodes(tok, db, model):
 
 
 def test_replay_ends_on_the_answer(db):
-    t, = rollout.replay([[TURN1, TURN2]], [str(db / "pets.sqlite")], EnvConfig(workers=1), budget=3)
-    assert (t.end_reason, t.truncated) == ("answer", False)
-
-
-def test_end_reason_of_maps_every_stop():
-    assert [rollout.end_reason_of(s, last) for s, last in
-            [("solution", "stop"), ("max_turns", "stop"), ("max_turns", "eos"), ("max_turns", "length"),
-             ("max_context", "max_context"), ("max_context", "stop"), ("eos", "eos")]] == \
-        ["answer", "turn_budget", "turn_budget", "turn_cut", "context", "context", "eos"]
+    t, = replay.replay([[TURN1, TURN2]], [str(db / "pets.sqlite")], EnvConfig(workers=1), budget=3)
+    assert (t.end_reason, t.truncated, t.turn_stop) == ("answer", False, "stop")
 
 
 def fake_episode(value: float, end_reason: str, n_tokens: int = 3, group: int = 0, penalty: float = 0.0,
