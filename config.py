@@ -195,6 +195,18 @@ class GRPOConfig:
 
 
 @dataclass
+class StreamConfig:
+    # steps the sampler may run ahead of the trainer (tinker's sampling_steps_ahead), >= 0. 0 = synchronous:
+    # a step samples its prompts, waits for its last episode, trains. k >= 1: the sampler keeps decoding
+    # across step boundaries, starting the next steps' groups as rows free up (at most one chunk's rows
+    # open, chunks up to k past the step's own); no trained token is older than k steps (stream.py)
+    sampling_steps_ahead: int = 0
+    # after a weight sync, recompute the KV cache of the episodes in flight from their ids with the new
+    # weights (NeMo-RL's recompute_kv_cache_after_weight_updates); false keeps it (PipelineRL)
+    recompute_kv: bool = False
+
+
+@dataclass
 class OptimConfig:
     lr: float = 1e-6  # AdamW learning rate of GRPO, > 0
     weight_decay: float = 0.01  # AdamW decoupled weight decay, >= 0
@@ -278,6 +290,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -246,7 +246,6 @@ class EpisodeLoop:
 
     def __init__(self, engine: Engine, tokenizer, env_cfg):
         self.engine, self.tokenizer, self.env_cfg = engine, tokenizer, env_cfg
-        self.max_context = engine.cfg.max_context
         self.tools = ToolCalls(env_cfg, env.step_batch)
         self.open: dict[int, tuple[Trajectory, str]] = {}  # engine sequence index -> (episode, db path)
         self.clock = 0
@@ -262,6 +261,10 @@ class EpisodeLoop:
 
     def busy(self) -> bool:
         return bool(self.open)
+
+    @property
+    def max_context(self) -> int:  # the engine's run's (its reset may change the sampling config)
+        return self.engine.cfg.max_context
 
     def add(self, trajs: list[Trajectory], dbs: list[str]) -> list[Trajectory]:
         """Start episodes (fresh ones, Trajectory.start), all in one engine.add: the scheduler groups

@@ -26,12 +26,13 @@ import plot
 import sft
 from eval import evaluate, reduce_summary, report_random_floor, summarise
 from model import Transformer
-from rollout import Episode, sample_episodes
+from rollout import Episode
 from sqltask import chat, dataset
+from stream import RolloutStream
 from toy import tiny
 from trainer import checkpoint, config_checks, lora, malloc_tuning, optim, packing, policy_update, runguard
-from trainer.distributed import (PeakMemory, all_sum, close, compute_dtype, map_shared, memory_estimate, param_count,
-                                 setup_dist, shard)
+from trainer.distributed import (PeakMemory, all_gather_list, all_sum, close, compute_dtype, map_shared,
+                                 memory_estimate, param_count, setup_dist, shard)
 from trainer.loss_scale import LossScaler
 from trainer.policy_sampler import PolicySampler
 from trainer.run_log import Log, Phases
@@ -76,25 +77,6 @@ def load_splits(tok, cfg: C.Config, log: Log, rank: int, world: int) -> tuple[li
     return out[0], out[1]
 
 
-class PromptStream:
-    """The global order of training prompts: seeded epochs, a cursor saved in checkpoints."""
-
-    def __init__(self, n: int, seed: int, cursor: int = 0):
-        self.n, self.seed, self.cursor = n, seed, cursor
-        self._epoch, self._perm = -1, []
-
-    def take(self, k: int) -> list[int]:
-        out = []
-        for _ in range(k):
-            epoch, pos = divmod(self.cursor, self.n)
-            if epoch != self._epoch:  # each epoch's order is a function of (seed, epoch) alone
-                g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-                self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g).tolist()
-            out.append(self._perm[pos])
-            self.cursor += 1
-        return out
-
-
 # -----------------------------------------------------------------------------
 # one GRPO step: sample, reward, keep mask, credit, update, sync
 
@@ -118,21 +100,19 @@ class Run:
     device: torch.device
 
 
-def collect(run: Run, prompts: list[dict], stream: "PromptStream", step: int, phase) -> tuple[list[Episode], list[Episode]]:
-    """A step's episodes: (kept, seen), this rank's. A round takes the next grpo.prompts_per_step
-    prompts (this rank's share of them), samples grpo.group_size episodes of each and rewards them
-    (rollout.sample_episodes), then applies the keep mask (dynamic sampling: groups whose rewards,
-    or verdicts, are all equal carry no signal). Rounds repeat, at most grpo.max_resample_rounds
-    more, until prompts_per_step groups are kept over all ranks; kept is cut to this rank's share,
-    seen holds every sampled episode (the step's metrics are over them)."""
-    cfg, g = run.cfg, run.cfg.grpo
+def collect(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list[Episode], list[Episode]]:
+    """A step's episodes: (kept, seen), this rank's. A round is the stream's next chunk: this rank's
+    share of the next grpo.prompts_per_step prompts, grpo.group_size episodes each, every one ended
+    and rewarded (stream.next_round; with stream.sampling_steps_ahead >= 1 most of it was decoded
+    during the steps before). Then the keep mask (dynamic sampling: groups whose rewards, or
+    verdicts, are all equal carry no signal). Rounds repeat, at most grpo.max_resample_rounds more,
+    until prompts_per_step groups are kept over all ranks; kept is cut to this rank's share, seen
+    holds every sampled episode (the step's metrics are over them)."""
+    g = run.cfg.grpo
     G, P, share = g.group_size, g.prompts_per_step, g.prompts_per_step // run.world * g.group_size
     kept, seen = [], []
     for rnd in range(1 + (g.max_resample_rounds if g.dynamic_sampling else 0)):
-        batch = [prompts[i] for i in stream.take(P)[run.rank::run.world]]
-        seed = (cfg.train.seed * 1_000_003 + step * 1009 + rnd * 101 + run.rank) % (2 ** 31)
-        episodes = sample_episodes(run.sampler, run.tokenizer, batch, cfg, n=G, seed=seed, phase=phase,
-                                   first_group=len(seen) // G)
+        episodes = stream.next_round(step, phase, first_group=len(seen) // G)
         seen += episodes
         keep = grpo.keep_mask(episodes, G, g.dynamic_sampling_metric) if g.dynamic_sampling else [True] * len(episodes)
         kept += [e for e, k in zip(episodes, keep) if k]
@@ -141,19 +121,20 @@ def collect(run: Run, prompts: list[dict], stream: "PromptStream", step: int, ph
     return kept[:share], seen
 
 
-def grpo_step(run: Run, prompts: list[dict], stream: "PromptStream", step: int, phase) -> tuple[list, list, dict]:
+def grpo_step(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list, list, dict]:
     """One GRPO step, every move in order: sample and reward (collect, with the keep mask), the
     credit (grpo.token_advantages: each loss token's advantage; grpo.loss_episodes: which episodes
     enter the loss, all but the truncated ones with grpo.mask_truncated), the update (update, below: old /
     reference logprobs once, then per mini-batch each micro-batch's packed forward, grpo.policy_loss
     on its LossInputs, backward, and the optimizer step) and the weight sync (the sampler's copy
-    refreshed when a step moved the weights). Returns (kept, seen, metrics): the episodes trained on
-    and sampled (this rank's), and the update's metrics (token-weighted loss metrics, grad norms,
-    kept_frac)."""
+    refreshed when a step moved the weights; with stream.sampling_steps_ahead >= 1 the episodes in
+    flight continue on the new weights). Returns (kept, seen, metrics): the episodes trained on and
+    sampled (this rank's), and the update's metrics (token-weighted loss metrics, grad norms,
+    kept_frac) with the stream's (stream.step_metrics: the tail, the staleness of the trained tokens)."""
     g = run.cfg.grpo
-    kept, seen = collect(run, prompts, stream, step, phase)  # sample, reward, keep mask
+    kept, seen = collect(run, stream, step, phase)  # sample, reward, keep mask
     n_kept, n_seen = all_sum([len(kept), len(seen)], run.device)
-    m, n_trained = {}, 0
+    m, n_trained, trajs = {}, 0, []
     if n_kept > 0:
         with phase("credit"):
             advantages = grpo.token_advantages(kept, g)  # the credit: (n_loss_tokens,) per episode
@@ -170,6 +151,7 @@ def grpo_step(run: Run, prompts: list[dict], stream: "PromptStream", step: int, 
             run.sampler.refresh(run.model)  # weight sync: the next rollout and eval sample the new policy
     m["kept_frac"] = n_kept / max(n_seen, 1)
     m["masked_frac"] = (n_kept - n_trained) / max(n_kept, 1)  # kept episodes left out of the loss (mask_truncated)
+    m.update(stream.step_metrics(trajs, step, run.device))  # the tail, the trained tokens' staleness
     return kept, seen, m
 
 
@@ -193,6 +175,18 @@ def update(run: Run, trajs: list, advantages: list[torch.Tensor]) -> dict:
         grad_norm = optim.step_optimizer(model, run.optimizer, run.scheduler, cfg.optim, run.scaler)  # unscale, clip,
         metrics.step(grad_norm, run.scaler.overflowed)  # step; a non-finite norm skips it (float16: an overflow too)
     return metrics.summary()
+
+
+def save(run: Run, stream: RolloutStream, step: int) -> str | None:
+    """The checkpoint of step `step` (a collective; the path on rank 0): weights, optimizer, schedule
+    and RNG (trainer/checkpoint.py) and the run's own state, written here and only here: the prompt
+    order's cursor, the log's sizes, float16's loss scale and every rank's stream (its chunks not yet
+    trained, with the episodes in flight: none between synchronous steps)."""
+    cfg = run.cfg
+    extra = {"cursor": stream.cursor, "log_sizes": run.log.sizes(), "loss_scale": run.scaler.state_dict(),
+             "stream": all_gather_list([stream.state_dict()])}  # one per rank, in rank order
+    return checkpoint.save(cfg.train.out_dir, step, run.model, run.optimizer, run.scheduler, run.tokenizer, cfg, extra,
+                           keep=cfg.train.keep_checkpoints)
 
 
 # -----------------------------------------------------------------------------
@@ -273,10 +267,14 @@ def main():
         log.print(f"{cfg.model.dtype}: trainer forward/backward, KL reference and sampler (weights, KV cache); fp32: "
                   "master weights, reduced gradients, AdamW, logits' log-softmax" +
                   (f"; loss scale from {scaler.scale_value:g}" if scaler.active else ""))
-    step, cursor, bad, synced = 0, 0, 0, False  # synced: the sampler holds the policy's current weights
+    # what a GRPO step reads and moves (the KL reference joins once ckpt_000000, its weights, exists)
+    run = Run(model, None, sampler, optimizer, scheduler, scaler, tok, cfg, log, rank, world, device)
+    stream = RolloutStream(sampler, tok, train_ex, cfg, rank, world)  # the training prompts' episodes
+    step, bad, synced = 0, 0, False  # synced: the sampler holds the policy's current weights
     if ck:
         extra = checkpoint.load(ck, model, optimizer, scheduler)
-        step, cursor = extra["step"], extra["cursor"]
+        step = extra["step"]
+        stream.load_state_dict(extra.get("stream"), extra["cursor"])  # k >= 1: the episodes in flight
         scaler.load_state_dict(extra.get("loss_scale"))
         log.rewind(extra.get("log_sizes"))  # what was logged after the checkpoint is logged again
         # the config's lr wins over the saved one (a no-op when unchanged: resume stays exact)
@@ -288,9 +286,7 @@ def main():
         if cfg.sft.steps > 0 and not use_lora:  # syncs the sampler before each of its evals; saves as it goes
             synced = sft.run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log,
                                  resume_from=warm, stop=stop, scaler=scaler)
-        checkpoint.save(cfg.train.out_dir, 0, model, optimizer, scheduler, tok, cfg,
-                        {"cursor": 0, "log_sizes": log.sizes(), "loss_scale": scaler.state_dict()},
-                        keep=cfg.train.keep_checkpoints)
+        save(run, stream, 0)
     if rank == 0:  # the warm start's save is superseded by ckpt_000000 (the weights GRPO starts from)
         shutil.rmtree(Path(cfg.train.out_dir) / checkpoint.WARM_START, ignore_errors=True)
     if not synced:
@@ -302,16 +298,13 @@ def main():
         if rank == 0:
             report_random_floor(eval_ex, cfg, log, warm)
 
-    ref_model = None
     if cfg.grpo.kl_beta > 0:  # the frozen reference is the policy at GRPO start (after SFT): ckpt 0
         # (LoRA: the base itself, since every adapter starts at B = 0). Frozen before shard():
         # kept in the compute dtype, the same values FSDP2 would have cast fp32 masters to
         ref_path = base_path if use_lora else str(Path(cfg.train.out_dir) / "ckpt_000000" / "hf")
         ref_model = Transformer.from_pretrained(ref_path, dtype=torch.float32, device=device)
-        ref_model = shard(ref_model.requires_grad_(False), compute_dtype(cfg), cfg.model.fsdp_unit)
+        run.ref_model = shard(ref_model.requires_grad_(False), compute_dtype(cfg), cfg.model.fsdp_unit)
 
-    stream = PromptStream(len(train_ex), cfg.train.seed, cursor)
-    run = Run(model, ref_model, sampler, optimizer, scheduler, scaler, tok, cfg, log, rank, world, device)
     stop.at_step_boundary()  # from here a signal stops the run after its step, with a checkpoint
     saved_at, stopped = step, 0
     t_start, first_step = time.time(), step
@@ -319,7 +312,7 @@ def main():
     phase = Phases(PeakMemory(device))  # seconds per phase (time/*) and, on CUDA, peak GB (mem/*_peak_gb)
     while step < cfg.train.steps:
         t0 = time.time()
-        kept, seen, m = grpo_step(run, train_ex, stream, step, phase)  # sample, reward, credit, update, sync
+        kept, seen, m = grpo_step(run, stream, step, phase)  # sample, reward, credit, update, sync
         step += 1
 
         # log / eval / save
@@ -356,9 +349,7 @@ def main():
         if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == cfg.train.steps:
             evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
         if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
-            checkpoint.save(cfg.train.out_dir, step, model, optimizer, scheduler, tok, cfg,
-                            {"cursor": stream.cursor, "log_sizes": log.sizes(), "loss_scale": scaler.state_dict()},
-                            keep=cfg.train.keep_checkpoints)
+            save(run, stream, step)
             saved_at = step
         if rank == 0 and cfg.train.plot_every and (step % cfg.train.plot_every == 0
                                                   or step == cfg.train.steps):
@@ -366,9 +357,8 @@ def main():
         if step < cfg.train.steps and (stopped := stop.requested(device)):  # collective: all ranks agree
             break
     if stopped:  # SIGINT/SIGTERM (or torchrun gone): keep the steps done, then exit 128 + signal
-        path = checkpoint.save(cfg.train.out_dir, step, model, optimizer, scheduler, tok, cfg,
-                               {"cursor": stream.cursor, "log_sizes": log.sizes(), "loss_scale": scaler.state_dict()},
-                               keep=cfg.train.keep_checkpoints) if saved_at != step else checkpoint.latest(cfg.train.out_dir)
+        path = save(run, stream, step) if saved_at != step else checkpoint.latest(cfg.train.out_dir)
+        stream.close()
         line = runguard.stop_line(stopped, step, cfg.train.steps, path)
         log.print(line)
         close()
@@ -381,6 +371,7 @@ def main():
               f"tok/s, update {speed['trained'] / max(speed['update_s'], 1e-9):.0f} tok/s; run in {cfg.train.out_dir}")
     if scaler.active:
         log.print(f"fp16: {scaler.summary()}")
+    stream.close()
     close()  # every rank: lets gloo's workers finish before the interpreter exits
 
 

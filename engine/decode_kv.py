@@ -25,13 +25,19 @@ import torch
 
 
 class DecodeKV:
-    """k, v: (n_layers, B, Hk, width, D) in the cache's dtype: row b's token at position p is column p."""
+    """k, v: (n_layers, R, Hk, width, D) in the cache's dtype, R >= the batch's rows: row b's token at
+    position p is column p of buffer row b. The buffers are kept across batch changes (a change moves
+    only the rows whose index changed, and only the columns in use) and zeroed only when they grow:
+    a column a row has not written holds another row's finite K/V or zeros, which its attention mask
+    never reads (SDPA gives a masked position weight exactly 0; never NaN, so 0 * it stays 0)."""
 
     def __init__(self, cache):
         self.cache = cache
         L, _, _, Hk, D = cache.k.shape
         self.k = cache.k.new_zeros(L, 0, Hk, 1, D)
         self.v = cache.v.new_zeros(L, 0, Hk, 1, D)
+        self.rows = 0  # the decode batch's rows: buffer rows [0, rows)
+        self.used = 0  # columns [0, used) hold the rows' K/V (the last fit's `tokens`); the rest is never read
         self.loading = torch.zeros(0, dtype=torch.long, device=cache.k.device)  # rows still to copy out
 
     @property
@@ -42,11 +48,19 @@ class DecodeKV:
                joining: torch.Tensor | None) -> None:
         """The decode batch is now `rows` rows: row kept_new[i] is the former row kept_src[i] (its
         copy moves with it), rows `joining` are copied out of the pool by the next fit()."""
-        k = self.k.new_zeros(self.k.shape[0], rows, *self.k.shape[2:])
-        v = torch.zeros_like(k)
-        if kept_new is not None:
-            k[:, kept_new], v[:, kept_new] = self.k[:, kept_src], self.v[:, kept_src]
-        self.k, self.v = k, v
+        used = self.used
+        if rows > self.k.shape[1]:  # more rows than the buffers hold: larger ones (at least twofold)
+            k = self.k.new_zeros(self.k.shape[0], max(rows, 2 * self.k.shape[1]), *self.k.shape[2:])
+            v = torch.zeros_like(k)
+            if kept_new is not None:
+                k[:, kept_new, :, :used], v[:, kept_new, :, :used] = self.k[:, kept_src, :, :used], self.v[:, kept_src, :, :used]
+            self.k, self.v = k, v
+        elif kept_new is not None:
+            moved = kept_new != kept_src  # rows keep their place unless one before them left or joined
+            if bool(moved.any()):
+                new, src = kept_new[moved], kept_src[moved]  # the right side is gathered first: overlaps are safe
+                self.k[:, new, :, :used], self.v[:, new, :, :used] = self.k[:, src, :, :used], self.v[:, src, :, :used]
+        self.rows = rows
         self.loading = joining if joining is not None else self.loading[:0]
 
     def fit(self, tables: torch.Tensor, tokens: int) -> None:
@@ -56,8 +70,9 @@ class DecodeKV:
             width = max(tokens + 1, 2 * self.width)
             k = self.k.new_zeros(*self.k.shape[:3], width, self.k.shape[4])
             v = torch.zeros_like(k)
-            k[..., :self.width - 1, :], v[..., :self.width - 1, :] = self.k[..., :-1, :], self.v[..., :-1, :]
+            k[..., :self.used, :], v[..., :self.used, :] = self.k[..., :self.used, :], self.v[..., :self.used, :]
             self.k, self.v = k, v
+        self.used = tokens  # a window writes positions below it; a staying row holds none beyond
         if len(self.loading):
             bs = self.cache.block_size
             blocks = min(tables.shape[1], -(-tokens // bs))
@@ -73,7 +88,7 @@ class DecodeKV:
         """(B Hk,) where each row's new K/V goes in a layer's flat (B Hk width, D) view: column
         positions[b] (B,) of each head, or the dummy column for a row whose slot (B,) is the
         pool's scratch (a stopped row: it writes nowhere that counts)."""
-        B, Hk, W = self.k.shape[1], self.k.shape[2], self.width
+        B, Hk, W = self.rows, self.k.shape[2], self.width
         column = torch.where(slots == self.cache.scratch * self.cache.block_size, W - 1, positions)  # (B,)
         heads = torch.arange(B * Hk, device=positions.device).view(B, Hk)
         return (heads * W + column[:, None]).reshape(-1)
@@ -86,4 +101,4 @@ class DecodeKV:
 
     def read(self, layer: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, Hk, tokens, D) views of a layer's K and V: what a gather of `tokens` positions gives."""
-        return self.k[layer, :, :, :tokens], self.v[layer, :, :, :tokens]
+        return self.k[layer, :self.rows, :, :tokens], self.v[layer, :self.rows, :, :tokens]

@@ -19,7 +19,7 @@ import subprocess
 from conftest import ROOT
 
 # the algorithm's own files, the entry points, the model and the hyperparameters
-TOP = {"train", "rollout", "replay", "env", "grpo", "reward", "sft", "eval", "sweep", "plot", "model", "config"}
+TOP = {"train", "rollout", "replay", "stream", "env", "grpo", "reward", "sft", "eval", "sweep", "plot", "model", "config"}
 PACKAGES = ("engine", "trainer", "sqltask", "toy")
 
 

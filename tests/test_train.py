@@ -18,6 +18,7 @@ import config as C
 from trainer import distributed
 from trainer import optim
 import rollout
+import stream
 from sqltask import chat
 from trainer import run_log
 import sft
@@ -538,9 +539,9 @@ def weights(model) -> dict:
 
 
 class ScriptedSampler:
-    """Stands in for trainer/policy_sampler.PolicySampler in train.main. Its rollout (rollout.rollout,
-    patched: it finds the sampler as the engine it is handed) returns G one-token episodes per
-    example, each tagged (round, example id, sample) (a round = one rollout call within a step);
+    """Stands in for trainer/policy_sampler.PolicySampler in train.main. Its rollout (the stream's
+    round, patched: the next chunk of the prompt order, rolled out by the sampler, then rewarded)
+    returns G one-token episodes per example, each tagged (round, example id, sample) (a round = one rollout call within a step);
     `reward_of(round, i, j)` scores sample j of the round's i-th example (written in the episode's
     text for the patched reward). Each refresh records the policy's weights, and each rollout
     whether it samples the current ones."""
@@ -585,9 +586,17 @@ def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *arg
                 for q in model.parameters():
                     q.add_(0.01)
         return g
+    def next_round(self, step, phase=None, first_group=0):  # the next chunk, rolled out by the scripted sampler
+        prompts = self.order.take(self.chunk_prompts)[self.rank::self.world]
+        examples = [self.examples[i] for i in prompts]
+        self.consumed += 1
+        with phase("rollout"):
+            trajs = self.sampler.rollout(examples, self.group_size)
+        with phase("reward"):
+            return rollout.reward_episodes(trajs, examples, self.tokenizer, self.cfg, n=self.group_size,
+                                           first_group=first_group)
     monkeypatch.setattr(train, "PolicySampler", ScriptedSampler)
-    monkeypatch.setattr(rollout, "rollout", lambda model, tok, examples, *a, n=1, engine=None, **k:
-                        engine.rollout(examples, n))
+    monkeypatch.setattr(stream.RolloutStream, "next_round", next_round)
     monkeypatch.setattr(rollout, "episode_rewards", lambda scripts, *a: [
         Reward(float(t.response), float(t.response) > 0, True) for t in scripts])
     monkeypatch.setattr(sft, "evaluate", lambda *a, **k: {"eval/ex": 0.0})

@@ -140,6 +140,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "sft.stop_near_ex": ("[0, 1]", "a fraction; 0 = off"),
     "sft.stop_check_every_near": (">= 0", "0 = off"),
     "sft.save_every": (">= 0", "0 = at its end and at a stop only"),
+    "stream.sampling_steps_ahead": (">= 0", "0 = synchronous steps"),
     "train.steps": (">= 0", ""),
     "train.seed": (">= 0", ""),
     "train.log_every": (">= 1", ""),

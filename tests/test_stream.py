@@ -1,0 +1,291 @@
+"""stream.py: the rounds a GRPO step trains on, sampled up to stream.sampling_steps_ahead steps ahead.
+
+- k = 0 is the synchronous step: a step's metrics equal, to the digit, those of the step whose rounds
+  are rollout-then-reward (rollout.sample_episodes) of the same prompts with the same seeds.
+- k >= 1: no trained token is older than k steps; a token sampled after a sync carries the new
+  version, and an episode in flight across a sync (or an eval, or a checkpoint) continues from the
+  same ids; every chunk is trained once, in order, with dynamic sampling's refills too; a saved and
+  restored stream trains what the uninterrupted one trains.
+- 2 gloo ranks through train.py with k = 1 (tests/test_train.py style): both finish every step.
+
+    .venv/bin/pytest tests/test_stream.py -q
+"""
+import copy
+import dataclasses
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import config as C
+import grpo
+import train
+from conftest import ROOT, build_tiny_assets, torchrun_env
+from model import Transformer
+from rollout import sample_episodes
+from sqltask import dataset
+from stream import PromptOrder, RolloutStream
+from trainer import optim
+from trainer.distributed import PeakMemory
+from trainer.loss_scale import LossScaler
+from trainer.policy_sampler import PolicySampler
+from trainer.run_log import Log, Phases
+
+STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def varied_rewards(monkeypatch):
+    """A random tiny model breaks the format every time (reward -1 for all: no gradient). Each
+    episode's reward is instead a fixed function of its text (-1, 0 or 1), so groups differ and
+    every step moves the weights: later steps then test something."""
+    import rollout
+    from reward import Reward
+    monkeypatch.setattr(rollout, "episode_rewards", lambda scripts, *a: [
+        Reward(float(sum(map(ord, t.response)) % 3 - 1), sum(map(ord, t.response)) % 3 == 2, True) for t in scripts])
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    d = tmp_path_factory.mktemp("stream")
+    return d, ["--" + a for a in build_tiny_assets(d)]
+
+
+def config(assets, **keys) -> C.Config:
+    """A small run: 4 prompts x 2 samples a step, 2 turns of at most 10 tokens; at most 3 rows decode
+    at once, so rows start at different steps and a chunk's episodes end at different times."""
+    d, settings = assets
+    cfg = C.load_config(settings + [f"--train.out_dir={d}/run", "--grpo.prompts_per_step=4", "--grpo.group_size=2",
+                                    "--env.max_turns=2", "--sampling.max_new_tokens=10", "--sampling.max_decode_rows=3",
+                                    "--sampling.temperature=1.0", "--env.workers=1", "--data.max_train_examples=64",
+                                    "--optim.lr=0.05", "--optim.grad_clip=1.0"])
+    for key, value in keys.items():
+        group, name = key.split("__")
+        setattr(getattr(cfg, group), name, value)
+    return cfg
+
+
+def make_run(cfg):
+    """A one-rank run (plain model, world 1) and its stream, as train.main builds them."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    exs = dataset.load_examples(cfg.data.train_path, cfg.data.db_root, cfg.data.max_train_examples)
+    torch.manual_seed(0)
+    model = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32)
+    opt, sch = optim.make_optimizer(model, cfg.optim, cfg.optim.lr, 0, 100)
+    sampler = PolicySampler(model, cfg.sampling)
+    sampler.refresh(model)
+    run = train.Run(model, None, sampler, opt, sch, LossScaler(cfg.optim, torch.float32), tok, cfg, Log(cfg, rank=1),
+                    0, 1, torch.device("cpu"))
+    return run, RolloutStream(sampler, tok, exs, cfg, 0, 1), exs
+
+
+def steps(run, stream, n, first=0, each=None):
+    """n GRPO steps (train.grpo_step); each(step, kept, seen, metrics) after each."""
+    out = []
+    for step in range(first, first + n):
+        kept, seen, m = train.grpo_step(run, stream, step, Phases(PeakMemory(torch.device("cpu"))))
+        out.append((kept, seen, m))
+        if each:
+            each(step, kept, seen, m)
+    return out
+
+
+def in_flight(stream):
+    return {t.seq.index: t for t, _ in stream.loop.open.values()}
+
+
+# -----------------------------------------------------------------------------
+# k = 0: the synchronous step
+
+
+def test_k0_steps_equal_rollout_then_reward_rounds(assets, monkeypatch):
+    """The step's metrics, to the digit, against train.collect done the synchronous way: each round
+    the next chunk of the prompt order, rollout.sample_episodes with the round's seed."""
+    cfg = config(assets)
+    run, stream, exs = make_run(cfg)
+    got = [m for _, _, m in steps(run, stream, 3)]
+    stream.close()
+
+    order = PromptOrder(len(exs), cfg.train.seed)
+
+    def collect(run, stream, step, phase):  # the synchronous step's collect, no dynamic sampling
+        prompts = [exs[i] for i in order.take(cfg.grpo.prompts_per_step)]
+        seed = (cfg.train.seed * 1_000_003 + step * 1009) % (2 ** 31)
+        episodes = sample_episodes(run.sampler, run.tokenizer, prompts, cfg, n=cfg.grpo.group_size, seed=seed,
+                                   phase=phase)
+        return episodes, episodes
+    run, stream, _ = make_run(cfg)
+    monkeypatch.setattr(train, "collect", collect)
+    want = [m for _, _, m in steps(run, stream, 3)]
+    stream.close()
+    # the stream's own metrics: the reference path neither counts the engine's steps nor sets its version
+    own = ("live_row_share", "decode_steps_per_episode", "staleness_mean", "staleness_max", "stale_token_frac")
+    for g, w in zip(got, want):
+        assert g.get("grad_norm", 0) > 0  # the weights moved: later steps compare something
+        assert {k: v for k, v in g.items() if k not in own} == {k: v for k, v in w.items() if k not in own}
+        assert (g["staleness_max"], g["stale_token_frac"]) == (0.0, 0.0) and 0 < g["live_row_share"] <= 1
+
+
+# -----------------------------------------------------------------------------
+# k >= 1: staleness, versions, episodes across a sync
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_no_trained_token_is_older_than_k_steps(assets, ahead):
+    cfg = config(assets, stream__sampling_steps_ahead=ahead)
+    run, stream, _ = make_run(cfg)
+    ages = []
+
+    def check(step, kept, seen, m):
+        for e in kept:
+            t = e.trajectory
+            versions = [v for v, mask in zip(t.versions, t.loss_mask) if mask]
+            assert versions and all(step - ahead <= v <= step for v in versions), (step, versions)
+            ages.extend(step - v for v in versions)
+        assert m["staleness_max"] <= ahead
+    steps(run, stream, 6, each=check)
+    stream.close()
+    assert max(ages) >= 1  # the stream did sample ahead: the bound was tested, not idle
+
+
+def test_tokens_after_a_sync_carry_the_new_version_and_continue_the_same_ids(assets):
+    """Episodes in flight at a step's end keep their ids through the update and the weight sync
+    (in place, KV kept); what they sample next is tagged with the next step's version."""
+    cfg = config(assets, stream__sampling_steps_ahead=1)
+    run, stream, _ = make_run(cfg)
+    crossed = 0
+    for step in range(4):
+        before = {i: (list(t.ids), list(t.versions)) for i, t in in_flight(stream).items()}
+        _, seen, _ = steps(run, stream, 1, first=step)[0]
+        for t in [e.trajectory for e in seen] + [t for c in stream.chunks for t in c.trajs]:
+            if t.seq.index in before:
+                ids, versions = before[t.seq.index]
+                assert t.ids[:len(ids)] == ids and t.versions[:len(ids)] == versions  # the same episode, continued
+                new = [v for v, m in zip(t.versions[len(ids):], t.loss_mask[len(ids):]) if m]
+                assert all(v == step for v in new), (step, new)
+                crossed += bool(new) and any(v == step - 1 for v, m in zip(versions, t.loss_mask) if m)
+    stream.close()
+    assert crossed  # some episode sampled on both sides of a sync
+
+
+def test_recompute_kv_continues_the_same_ids(assets):
+    cfg = config(assets, stream__sampling_steps_ahead=1, stream__recompute_kv=True)
+    run, stream, _ = make_run(cfg)
+    steps(run, stream, 2)
+    before = {i: list(t.ids) for i, t in in_flight(stream).items()}
+    resets = run.sampler.engine.resets
+    _, seen, _ = steps(run, stream, 1, first=2)[0]
+    assert run.sampler.engine.resets == resets + 1  # the new weights recomputed the rows' KV
+    continued = [t for t in [e.trajectory for e in seen] + [t for c in stream.chunks for t in c.trajs]
+                 if t.seq.index in before]
+    assert before and all(t.ids[:len(before[t.seq.index])] == before[t.seq.index] for t in continued)
+    stream.close()
+
+
+def test_an_eval_pauses_the_stream_and_it_resumes_on_the_same_ids(assets):
+    cfg = config(assets, stream__sampling_steps_ahead=1)
+    run, stream, exs = make_run(cfg)
+    steps(run, stream, 2)
+    before = {i: list(t.ids) for i, t in in_flight(stream).items()}
+    assert before
+    evaluated = sample_episodes(run.sampler, run.tokenizer, exs[:3], cfg, n=1, seed=5, greedy=True)
+    assert len(evaluated) == 3 and all(e.trajectory.end_reason for e in evaluated)
+    kept, seen, _ = steps(run, stream, 1, first=2)[0]
+    assert all(e.trajectory.end_reason for e in seen)
+    continued = [t for t in [e.trajectory for e in seen] + [t for c in stream.chunks for t in c.trajs]
+                 if t.seq.index in before]
+    assert continued and all(t.ids[:len(before[t.seq.index])] == before[t.seq.index] for t in continued)
+    stream.close()
+
+
+# -----------------------------------------------------------------------------
+# every chunk once, in order; dynamic sampling's refills; a saved and restored stream
+
+
+def test_every_chunk_is_trained_once_in_order_with_refills(assets, monkeypatch):
+    """Dynamic sampling keeps only groups whose first prompt index is even (a stand-in for groups
+    with a spread of rewards): steps take refill rounds from the stream, each chunk once, in order."""
+    cfg = config(assets, stream__sampling_steps_ahead=1, grpo__dynamic_sampling=True, grpo__max_resample_rounds=3)
+    run, stream, exs = make_run(cfg)
+    ids = {ex["id"]: i for i, ex in enumerate(exs)}
+    monkeypatch.setattr(grpo, "keep_mask", lambda batch, G, metric: [ids[e.example["id"]] % 2 == 0 for e in batch])
+    order, rounds, seen_all = PromptOrder(len(exs), cfg.train.seed), [], []
+
+    def check(step, kept, seen, m):
+        seen_all.extend(seen)
+        assert all(ids[e.example["id"]] % 2 == 0 for e in kept)
+        assert len(kept) <= cfg.grpo.prompts_per_step * cfg.grpo.group_size
+        rounds.append(len(seen) // (cfg.grpo.prompts_per_step * cfg.grpo.group_size))
+    steps(run, stream, 4, each=check)
+    stream.close()
+    assert max(rounds) > 1  # refills happened
+    chunks = [order.take(cfg.grpo.prompts_per_step) for _ in range(sum(rounds))]
+    assert [ids[e.example["id"]] for e in seen_all[::cfg.grpo.group_size]] == [i for c in chunks for i in c]
+
+
+def test_a_restored_stream_trains_what_the_uninterrupted_one_trains(assets):
+    """Saved after step 2 (plain data, through torch.save/load with weights_only) and restored into a
+    new stream on the same weights: the episodes in flight come back with their ids, logprobs and
+    versions; the next steps train the same prompts, every episode once."""
+    cfg = config(assets, stream__sampling_steps_ahead=1)
+    run, stream, _ = make_run(cfg)
+    steps(run, stream, 2)
+    buf = io.BytesIO()
+    torch.save({"stream": [stream.state_dict()]}, buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)["stream"]
+    saved = {t.seq.index: (list(t.ids), list(t.logprobs), list(t.versions)) for c in stream.chunks for t in c.trajs}
+    snapshot = [copy.deepcopy(x.state_dict()) for x in (run.model, run.optimizer, run.scheduler)]
+    assert any(len(ids) > len(t.prompt_ids) for c in stream.chunks for t in c.trajs for ids, _, _ in
+               [saved[t.seq.index]])  # some episode was in flight with sampled tokens
+    straight = [[e.example["id"] for e in seen] for _, seen, _ in steps(run, stream, 2, first=2)]
+    stream.close()
+
+    for x, state_of in zip((run.model, run.optimizer, run.scheduler), snapshot):  # back to the save's weights
+        x.load_state_dict(state_of)
+    run.sampler.refresh(run.model)
+    restored = RolloutStream(run.sampler, run.tokenizer, stream.examples, cfg, 0, 1)
+    restored.load_state_dict(state, state[0]["cursor"])
+    for c in restored.chunks:
+        for t in c.trajs:
+            assert (t.ids, t.logprobs, t.versions) == saved[t.seq.index]
+    again = [[e.example["id"] for e in seen] for _, seen, _ in steps(run, restored, 2, first=2)]
+    restored.close()
+    assert again == straight  # the same prompts, in the same order: none lost, none twice
+
+
+def test_a_checkpoint_with_episodes_in_flight_resumes_on_as_many_ranks(assets):
+    cfg = config(assets, stream__sampling_steps_ahead=1)
+    run, stream, _ = make_run(cfg)
+    steps(run, stream, 1)
+    state = [stream.state_dict()]
+    other = RolloutStream(run.sampler, run.tokenizer, stream.examples, dataclasses.replace(cfg), 0, 2)
+    with pytest.raises(C.ConfigError, match="resume it on 1 ranks"):
+        other.load_state_dict(state * 1, state[0]["cursor"])
+    stream.close()
+    other.close()
+
+
+# -----------------------------------------------------------------------------
+# train.py on 2 gloo ranks with k = 1
+
+
+def test_two_ranks_stream_through_train_py(assets, tmp_path):
+    d, settings = assets
+    args = [a.removeprefix("--") for a in settings]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "configs/tiny.yaml", *[f"--{a}" for a in args], f"--train.out_dir={tmp_path}/run", "--train.steps=4",
+           "--sft.steps=0", "--grpo.prompts_per_step=4", "--grpo.group_size=2", "--grpo.dynamic_sampling=false",
+           "--sampling.max_new_tokens=10", "--sampling.max_decode_rows=3", "--env.max_turns=2",
+           "--data.max_train_examples=64", "--data.max_eval_examples=4", "--train.eval_every=2",
+           "--train.sample_every=0", "--train.threads=1", "--stream.sampling_steps_ahead=1"]
+    p = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    trained = [x for x in lines if "train/staleness_max" in x]
+    assert [x["step"] for x in trained] == [1, 2, 3, 4]
+    assert all(x["train/staleness_max"] <= 1 for x in trained) and any(x["train/staleness_mean"] > 0 for x in trained)
