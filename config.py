@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainer import config_loader
 from trainer.config_loader import ConfigError, dump, to_dict  # noqa: F401 (the config's API in one place)
+from trainer.losses import LOSSES  # grpo.loss's values: the registered losses
 
 
-def choice(default, *options, help=""):
+def choice(default: str, *options: str, help: str = "") -> Any:
     """A str field restricted to a few values (checked when the config is loaded)."""
     assert default in options
     return field(default=default, metadata={"choices": options, "help": help})
@@ -161,10 +163,10 @@ class GRPOConfig:
     # advantage normalisation: group = (R - mean_G) / (std_G + eps); batch = std over the batch; none = R - mean_G
     advantage: str = choice("group", "group", "batch", "none")
     adv_eps: float = 1e-6  # the eps above, > 0
-    loss: str = choice("grpo", "grpo", "gspo", "gspo-token", "cispo",
-                       help="grpo = PPO-clip per token; gspo(-token) = sequence ratio; cispo = clipped IS weight")
-    clip_low: float = -1.0  # ε_low of the ratio clip; < 0 = the loss's default (grpo 0.2, gspo 3e-4, cispo 1.0)
-    clip_high: float = -1.0  # ε_high; < 0 = the loss's default (grpo 0.2, gspo 4e-4, cispo 0.28); 0.28 = DAPO
+    # the policy loss: a function registered in trainer/losses.py (its docstring gives the formula)
+    loss: str = choice("grpo", *LOSSES, help="a loss registered in trainer/losses.py")
+    clip_low: float = -1.0  # ε_low of the ratio clip; < 0 = the loss's declared default (grpo's 0.2)
+    clip_high: float = -1.0  # ε_high; < 0 = the loss's declared default (grpo's 0.2); 0.28 = DAPO clip-higher
     dual_clip_c: float = 0.0  # dual-clip bound c for negative advantages, 0 = off, else > 1 (3.0 in verl)
     kl_beta: float = 0.0  # weight of the k3 KL to a frozen reference, >= 0; > 0 loads the reference
     # loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, drgrpo (sum / (B·L))

@@ -9,7 +9,8 @@ import torch
 
 from conftest import loss_of
 import grpo
-from grpo import AGGS, advantages, global_norm, keep_mask_dynamic, masked_mean
+from grpo import AGGS, advantages, global_norm, keep_mask_dynamic
+from trainer.losses import masked_mean
 
 L = math.log
 CLIP = dict(clip_low=0.2, clip_high=0.2)

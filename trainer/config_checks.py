@@ -23,6 +23,7 @@ import string
 from pathlib import Path
 
 from trainer.config_loader import ConfigError, all_keys
+from trainer.losses import LOSSES
 
 # -----------------------------------------------------------------------------
 # model.lora_targets
@@ -205,6 +206,7 @@ def problems(cfg, world: int = 1) -> list[str]:
                    f"(each rank takes the same number of prompts): e.g. {max(world, g.prompts_per_step // world * world)}")
     if 0 < g.dual_clip_c <= 1:
         out.append(f"grpo.dual_clip_c must be 0 (off) or > 1, got {g.dual_clip_c}")
+    out += loss_problems(g)
     if g.rollout_is_low >= g.rollout_is_high:
         out.append(f"grpo.rollout_is_low ({g.rollout_is_low}) must be below grpo.rollout_is_high ({g.rollout_is_high})")
     if s.kv_budget_tokens < s.max_context:
@@ -234,6 +236,22 @@ def problems(cfg, world: int = 1) -> list[str]:
             out.append(str(err))
     if cfg.wandb.mode != "disabled" and not cfg.wandb.project.strip():
         out.append(f"wandb.project must not be empty with wandb.mode={cfg.wandb.mode}")
+    return out
+
+
+def loss_problems(grpo_cfg) -> list[str]:
+    """grpo.loss's keys against its declaration (trainer/losses.py): a loss declared without a clip
+    ignores grpo.clip_low/clip_high, a loss without PPO-clip's min has nothing for dual-clip to cap."""
+    spec = LOSSES.get(grpo_cfg.loss)
+    if spec is None:  # config_loader already refuses a name that is not registered
+        return [f"grpo.loss must be one of {list(LOSSES)}, got {grpo_cfg.loss!r}"]
+    out = []
+    if spec.clip is None and (grpo_cfg.clip_low >= 0 or grpo_cfg.clip_high >= 0):
+        out.append(f"grpo.loss={spec.name} has no clip: grpo.clip_low ({grpo_cfg.clip_low}) and grpo.clip_high "
+                   f"({grpo_cfg.clip_high}) must stay < 0 (they would be ignored)")
+    if grpo_cfg.dual_clip_c > 0 and not spec.dual_clip:
+        out.append(f"grpo.dual_clip_c={grpo_cfg.dual_clip_c}: dual-clip caps a PPO-clip loss, and grpo.loss="
+                   f"{spec.name} has none; set it to 0")
     return out
 
 
