@@ -20,6 +20,7 @@ from typing import Any
 
 from trainer import config_loader
 from trainer.config_loader import ConfigError, dump, to_dict  # noqa: F401 (the config's API in one place)
+from trainer.credits import CREDITS  # grpo.credit's values: the registered credits
 from trainer.losses import LOSSES  # grpo.loss's values: the registered losses
 
 
@@ -187,8 +188,11 @@ class GRPOConfig:
     max_resample_rounds: int = 3  # extra sampling rounds to refill dropped groups, >= 0
     ppo_epochs: int = 1  # passes over each rollout batch, >= 1
     mini_batches: int = 1  # optimizer steps per rollout batch per epoch, >= 1
-    # per-turn credit (grpo.lookup_bonus_returns): reward added to the first tool turn whose observation
-    # shows a value the gold needs, credited reward-to-go, >= 0; 0 = off (the outcome on every turn)
+    # the credit: each turn's return, a function registered in trainer/credits.py; outcome = the
+    # outcome reward on every turn
+    credit: str = choice("outcome", *CREDITS, help="a credit registered in trainer/credits.py")
+    # the lookup_bonus credit's b: reward added to the first tool turn whose observation shows a value
+    # the gold needs, credited reward-to-go, >= 0 (0.2 was measured); 0 with any other credit
     lookup_bonus: float = 0.0
     # leave episodes that ran out of room (rollout.TRUNCATED: a turn cut at sampling.max_new_tokens,
     # or sampling.max_context reached) out of the loss; their rewards still enter their group's

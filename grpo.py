@@ -1,17 +1,19 @@
 """GRPO's algorithm side: which groups a step keeps, the credit (each loss token's advantage), the
 policy loss (one registered per-token function, and the parts every loss shares) with optional
-rollout importance correction, and the loss's input record. Tensor functions on typed inputs; the step that calls
-them is train.grpo_step (sample, reward, keep mask, credit, update, sync), whose update loop
-(train.update) builds one LossInputs per micro-batch and calls policy_loss on it.
+rollout importance correction, and the loss's input record. Tensor functions on typed inputs; the
+step that calls them is train.grpo_step (sample, reward, keep mask, credit, update, sync), whose
+update loop (train.update) builds one LossInputs per micro-batch and calls policy_loss on it.
 
 Where to edit for an ablation:
-  - the credit: a per-turn returns function (`outcome_returns` is the default, `lookup_bonus_returns`
-    the worked example, grpo.lookup_bonus) picked in `turn_returns` by one grpo.* key; the group
-    normalisation (`group_baseline`) and the broadcast to tokens are shared by every credit;
+  - the credit: one returns function registered in trainer/credits.py (`outcome_returns` is the
+    default, `lookup_bonus_returns` the worked per-turn credit), picked by grpo.credit; the group
+    normalisation (`group_baseline`) and the broadcast to tokens (`token_advantages`) are shared by
+    every credit;
   - the loss: one per-token function registered in trainer/losses.py with its default clip,
-    picked by grpo.loss; `policy_loss` here does what every loss shares (one LossInputs of (B, T)
-    tensors and the grpo config group in, a scalar and metrics out);
+    picked by grpo.loss; `policy_loss` here does what every loss shares;
   - which groups train: `keep_mask`; which of their episodes enter the loss: `loss_episodes`.
+The registries sit in trainer/ so that config.py can offer their names as the keys' values
+(config.py cannot import this file: it imports config.py).
 
 Normalisation contract. `policy_loss` returns Σ_{its tokens or sequences} ℓ / norm where `norm`
 is the *global* normaliser of this optimizer step (masked tokens for token-mean, sequences
@@ -28,7 +30,6 @@ its place in `norm` (its loss is multiplied by 0). tests/test_grpo_losses.py che
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainer import packing
+from trainer.credits import CREDITS
 from trainer.distributed import all_gather_list
 from trainer.losses import LOSSES, PgInputs, clip_range, masked_mean
 from trainer.policy_update import BatchTokens
@@ -44,6 +46,7 @@ from trainer.rollout_correction import RolloutIS, is_weights, mismatch_metrics
 
 if TYPE_CHECKING:
     from config import GRPOConfig
+    from rollout import Episode, Trajectory
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo")
 
@@ -67,16 +70,16 @@ def group_baseline(returns: Tensor, group_size: int, mode: str = "group", eps: f
     returns gets 0 in every mode (0 / (0 + eps)).
     """
     assert returns.dim() == 1 and returns.numel() % group_size == 0, (returns.shape, group_size)
-    r = returns.float().view(-1, group_size)  # (P, G)
-    baseline = r.mean(dim=1, keepdim=True).expand_as(r)
+    grouped = returns.float().view(-1, group_size)  # (P, G)
+    baseline = grouped.mean(dim=1, keepdim=True).expand_as(grouped)
     if mode == "none":
-        scale = torch.ones_like(r)
+        scale = torch.ones_like(grouped)
     elif mode == "group":
-        std = r.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(r[:, :1])
-        scale = (std + eps).expand_as(r)
+        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(grouped[:, :1])
+        scale = (std + eps).expand_as(grouped)
     elif mode == "batch":
-        std = r.std() if r.numel() > 1 else r.new_zeros(())
-        scale = (std + eps).expand_as(r)
+        std = grouped.std() if grouped.numel() > 1 else grouped.new_zeros(())
+        scale = (std + eps).expand_as(grouped)
     else:
         raise ValueError(f"advantage mode must be group, batch or none, got {mode!r}")
     return baseline.reshape(-1), scale.reshape(-1)
@@ -95,11 +98,11 @@ def keep_mask_dynamic(rewards: Tensor, group_size: int) -> Tensor:
     """(P,) bool: True for groups whose rewards are not all equal (DAPO dynamic sampling).
     An all-equal group has zero advantage in every mode, so it only dilutes the batch.
     rewards: (P * group_size,) the rewards, or any per-episode score to filter on (exec_match)."""
-    r = rewards.view(-1, group_size)
-    return (r != r[:, :1]).any(dim=1)
+    grouped = rewards.view(-1, group_size)
+    return (grouped != grouped[:, :1]).any(dim=1)
 
 
-def keep_mask(batch, group_size: int, metric: str) -> list[bool]:
+def keep_mask(batch: list[Episode], group_size: int, metric: str) -> list[bool]:
     """Per episode: is its group kept (dynamic sampling)? batch: rollout.Episode list, whole groups
     of group_size in a row. metric: what must differ within a group, each episode's reward
     (shaping included) or its exec_match (some right, some wrong: DAPO's accuracy filter)."""
@@ -121,54 +124,14 @@ def _whole_batch(values: list[float], mode: str) -> tuple[Tensor, int]:
     return torch.tensor([x for r in every for x in r], dtype=torch.float32), sum(len(r) for r in every[:dist.get_rank()])
 
 
-def outcome_returns(episode) -> list[float]:
-    """The default credit: the outcome reward R on every turn (so every token gets the episode's
-    advantage)."""
-    return [episode.reward.value] * max(episode.trajectory.num_turns, 1)
+def turn_returns(episode: Episode, grpo_cfg: GRPOConfig) -> list[float]:
+    """The credit's returns of one episode, one per turn: the returns function grpo.credit names
+    (trainer/credits.py). Turn 0's return is the episode's whole return: its group's statistics
+    are taken over those."""
+    return CREDITS[grpo_cfg.credit].returns(episode, grpo_cfg)
 
 
-def gold_literals(example: dict) -> list[str]:
-    """The quoted string literals of the gold SQL that the question does not spell out (case
-    aside): values the answer needs and only a lookup can show (the toy: the stored code 'Paris4k'
-    of the question's 'Paris')."""
-    found = [m.replace("''", "'") for m in re.findall(r"'((?:[^']|'')*)'", example["gold_sql"])]
-    question = example.get("question", "").lower()
-    return [x for x in dict.fromkeys(found) if x and x.lower() not in question]
-
-
-def turn_rewards(episode, bonus: float) -> list[float]:
-    """Per-turn rewards of one episode (grpo.lookup_bonus): `bonus` on the first tool turn whose
-    observation shows a value the gold answer needs (gold_literals), 0 on every other turn (a
-    later lookup that shows it again earns nothing: no farming). Tool turns are `sql` steps (tags
-    protocol) and `query` steps (actions protocol)."""
-    out = [0.0] * episode.trajectory.num_turns
-    needed = gold_literals(episode.example)
-    for k, step in enumerate(episode.trajectory.steps[:len(out)]):
-        if step["kind"] in ("sql", "query") and any(x in step.get("observation", "") for x in needed):
-            out[k] = bonus
-            break
-    return out
-
-
-def lookup_bonus_returns(episode, bonus: float) -> list[float]:
-    """The worked per-turn credit (grpo.lookup_bonus > 0): turn k's return is the outcome R plus the
-    per-turn rewards from turn k on, R + Σ_{j≥k} b_j (reward-to-go, γ = 1; b: turn_rewards). The turn
-    that first showed the value, and those before it, gain the bonus; the turns after it (the
-    answer) are judged on the outcome alone."""
-    bonuses = turn_rewards(episode, bonus) or [0.0]
-    return [episode.reward.value + sum(bonuses[k:]) for k in range(len(bonuses))]
-
-
-def turn_returns(episode, g) -> list[float]:
-    """The credit's returns of one episode, one per turn (a new per-turn credit is one function like
-    the two below and a grpo.* key that picks it here). Turn 0's return is the episode's whole
-    return: its group's statistics are taken over those."""
-    if g.lookup_bonus > 0:
-        return lookup_bonus_returns(episode, g.lookup_bonus)
-    return outcome_returns(episode)
-
-
-def token_advantages(batch, g) -> list[Tensor]:
+def token_advantages(batch: list[Episode], grpo_cfg: GRPOConfig) -> list[Tensor]:
     """The credit: each episode's advantage per loss token, (n_loss_tokens,) each, in the order
     Trajectory.token_turns lists them. batch: this rank's rollout.Episode list (whole groups).
 
@@ -176,19 +139,20 @@ def token_advantages(batch, g) -> list[Tensor]:
     normalisation (group_baseline over the episodes' whole returns, grpo.advantage's mode: "none"
     divides by nothing, "batch" takes the std over every rank's batch), applied to every turn's
     return, (return_k - baseline) / scale; each token takes its turn's value."""
-    returns = [torch.tensor(turn_returns(e, g), dtype=torch.float32) for e in batch]  # (turns,) each
-    totals, start = _whole_batch([float(r[0]) for r in returns], g.advantage)  # every rank's in "batch"
-    baseline, scale = group_baseline(totals, g.group_size, g.advantage, g.adv_eps) if len(totals) \
-        else (totals, totals)
+    returns = [torch.tensor(turn_returns(e, grpo_cfg), dtype=torch.float32) for e in batch]  # (turns,) each
+    totals, start = _whole_batch([float(r[0]) for r in returns], grpo_cfg.advantage)  # every rank's in "batch"
+    baseline, scale = (group_baseline(totals, grpo_cfg.group_size, grpo_cfg.advantage, grpo_cfg.adv_eps)
+                       if len(totals) else (totals, totals))
     out = []
-    for i, (e, r) in enumerate(zip(batch, returns)):
-        per_turn = (r - baseline[start + i]) / scale[start + i]  # (turns,)
-        turn_of_token = torch.tensor(e.trajectory.token_turns(), dtype=torch.long).clamp(max=len(per_turn) - 1)
+    for i, (episode, per_turn_returns) in enumerate(zip(batch, returns)):
+        per_turn = (per_turn_returns - baseline[start + i]) / scale[start + i]  # (turns,)
+        turn_of_token = torch.tensor(episode.trajectory.token_turns(), dtype=torch.long).clamp(max=len(per_turn) - 1)
         out.append(per_turn[turn_of_token])
     return out
 
 
-def loss_episodes(batch, advantages: list[Tensor], g) -> tuple[list, list[Tensor]]:
+def loss_episodes(batch: list[Episode], advantages: list[Tensor],
+                  grpo_cfg: GRPOConfig) -> tuple[list[Trajectory], list[Tensor]]:
     """(trajectories, their per-token advantages) of the kept episodes that enter the loss: all of
     them, or with grpo.mask_truncated those that did not run out of room (Trajectory.truncated: a
     turn cut at sampling.max_new_tokens, or sampling.max_context reached). The advantages were
@@ -198,7 +162,8 @@ def loss_episodes(batch, advantages: list[Tensor], g) -> tuple[list, list[Tensor
     wrote, give no gradient. Leaving it out of the update's batch also leaves its tokens out of the
     loss normaliser (global_norm counts the trained masks). A rank left with none still runs the
     update (each_micro_batch pads it), so every rank joins its collectives."""
-    pairs = [(e.trajectory, a) for e, a in zip(batch, advantages) if not (g.mask_truncated and e.trajectory.truncated)]
+    pairs = [(e.trajectory, a) for e, a in zip(batch, advantages)
+             if not (grpo_cfg.mask_truncated and e.trajectory.truncated)]
     return [t for t, _ in pairs], [a for _, a in pairs]
 
 

@@ -96,6 +96,10 @@ def test_prompts_per_step_divisible_by_the_world_size():
     (["--env.obs_template=<o>{result} {turn_left}</o>"], "env.obs_template names turn_left"),
     (["--env.error_text=Error: {error"], "env.error_text is not a format string"),
     (["--optim.lr=.inf"], "optim.lr must be > 0, got inf"),
+    # a credit's key set while grpo.credit picks another (the lookup bonus used to be switched on by its size)
+    (["--grpo.lookup_bonus=0.2"], r"grpo.lookup_bonus=0.2 is read by the lookup_bonus credit only, and grpo.credit "
+                                  r"is outcome: pick it with grpo.credit=lookup_bonus"),
+    (["--grpo.credit=lookup_bonus"], r"grpo.credit=lookup_bonus reads grpo.lookup_bonus, left at 0.0: off"),
     (["--grpo.loss=cispo", "--grpo.dual_clip_c=3"], "dual-clip caps a PPO-clip loss, and grpo.loss=cispo has none"),
 ])
 def test_keys_that_must_agree(overrides, match):
@@ -135,6 +139,8 @@ def test_keys_that_must_agree(overrides, match):
     # the warm start stops after N passing checks in a row: N = 0 would stop before any check
     (["--sft.stop_checks_in_a_row=1"], 1, None),
     (["--sft.stop_checks_in_a_row=0"], 1, r"sft.stop_checks_in_a_row must be >= 1, got 0"),
+    # the lookup bonus with its size
+    (["--grpo.credit=lookup_bonus", "--grpo.lookup_bonus=0.2"], 1, None),
     (["--grpo.loss=gspo", "--grpo.dual_clip_c=3"], 1, None),
 ])
 def test_rules_between_keys_at_their_boundaries(overrides, world, error):

@@ -23,6 +23,7 @@ import string
 from pathlib import Path
 
 from trainer.config_loader import ConfigError, all_keys
+from trainer.credits import CREDITS
 from trainer.losses import LOSSES
 
 # -----------------------------------------------------------------------------
@@ -206,7 +207,7 @@ def problems(cfg, world: int = 1) -> list[str]:
                    f"(each rank takes the same number of prompts): e.g. {max(world, g.prompts_per_step // world * world)}")
     if 0 < g.dual_clip_c <= 1:
         out.append(f"grpo.dual_clip_c must be 0 (off) or > 1, got {g.dual_clip_c}")
-    out += loss_problems(g)
+    out += loss_problems(g) + credit_problems(g)
     if g.rollout_is_low >= g.rollout_is_high:
         out.append(f"grpo.rollout_is_low ({g.rollout_is_low}) must be below grpo.rollout_is_high ({g.rollout_is_high})")
     if s.kv_budget_tokens < s.max_context:
@@ -252,6 +253,27 @@ def loss_problems(grpo_cfg) -> list[str]:
     if grpo_cfg.dual_clip_c > 0 and not spec.dual_clip:
         out.append(f"grpo.dual_clip_c={grpo_cfg.dual_clip_c}: dual-clip caps a PPO-clip loss, and grpo.loss="
                    f"{spec.name} has none; set it to 0")
+    return out
+
+
+def credit_problems(grpo_cfg) -> list[str]:
+    """grpo.credit against the keys each credit declares (trainer/credits.py). A credit key's
+    default is its off value (with it the credit is the outcome credit), so a key set while another
+    credit is picked, or a credit picked with every key off, would silently change nothing: the
+    lookup bonus used to be switched on by grpo.lookup_bonus > 0 alone, grpo.credit picks it now."""
+    if grpo_cfg.credit not in CREDITS:  # config_loader already refuses a name that is not registered
+        return [f"grpo.credit must be one of {list(CREDITS)}, got {grpo_cfg.credit!r}"]
+    defaults, out = type(grpo_cfg)(), []
+    for name, spec in CREDITS.items():
+        changed = [key for key in spec.keys if getattr(grpo_cfg, key) != getattr(defaults, key)]
+        if name != grpo_cfg.credit:
+            out += [f"grpo.{key}={getattr(grpo_cfg, key)} is read by the {name} credit only, and grpo.credit is "
+                    f"{grpo_cfg.credit}: pick it with grpo.credit={name} (or leave grpo.{key} at "
+                    f"{getattr(defaults, key)})" for key in changed]
+        elif spec.keys and not changed:
+            out.append(f"grpo.credit={name} reads " + ", ".join(f"grpo.{key}" for key in spec.keys) + ", left at "
+                       + ", ".join(str(getattr(defaults, key)) for key in spec.keys) + ": off, the outcome credit; "
+                       "set its size")
     return out
 
 
