@@ -6,9 +6,9 @@ update loop (train.update) builds one LossInputs per micro-batch and calls polic
 
 Where to edit for an ablation:
   - the credit: one returns function registered in trainer/credits.py (`outcome_returns` is the
-    default, `lookup_bonus_returns` the worked per-turn credit), picked by grpo.credit; the group
-    normalisation (`group_baseline`) and the broadcast to tokens (`token_advantages`) are shared by
-    every credit;
+    default, `lookup_bonus_returns` the worked per-turn credit), picked by
+    grpo.credit; the group normalisation (`group_baseline`, with the floor below) and the
+    broadcast to tokens (`token_advantages`) are shared by every credit;
   - the loss: one per-token function registered in trainer/losses.py with its default clip,
     picked by grpo.loss; `policy_loss` here does what every loss shares;
   - which groups train: `keep_mask`; which of their episodes enter the loss: `loss_episodes`.
@@ -55,16 +55,19 @@ AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo")
 # advantages
 
 
-def group_baseline(returns: Tensor, group_size: int, mode: str = "group", eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def group_baseline(returns: Tensor, group_size: int, mode: str = "group", eps: float = 1e-6,
+                   floor: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The one group normalisation every credit shares: (baseline, scale), each (P*G,), for episode
     returns (P*G,) laid out group-major (prompt p's G samples at p*G .. p*G+G-1); an episode's
     advantage is (return - baseline) / scale.
 
-    group: baseline mean_G, scale std_G + eps           GRPO / verl
-    batch: baseline mean_G, scale std_batch + eps       std of the raw returns over the whole batch
-                                                        (TRL scale_rewards="batch", Lite PPO): pass the
-                                                        *global* returns so every rank agrees
-    none:  baseline mean_G, scale 1                     Dr. GRPO
+    group: baseline mean_G, scale max(std_G, floor_G) + eps    GRPO / verl
+    batch: baseline mean_G, scale max(std_batch, floor_G) + eps std of the raw returns over the whole
+                                                           batch (TRL scale_rewards="batch", Lite PPO):
+                                                           pass the *global* returns so every rank agrees
+    none:  baseline mean_G, scale 1                        Dr. GRPO (reward units: no floor needed)
+    floor: (P*G,) each episode's largest per-turn deviation (token_advantages), floor_G the largest
+    in its group; None or 0 (the outcome credit, flat rewards): the scale is std + eps, bit for bit.
     std is torch.std's default, unbiased (n-1), as in verl. A group of one sample has no baseline:
     its advantage is 0 (verl instead uses mean 0, std 1, i.e. raw reward). A group with equal
     returns gets 0 in every mode (0 / (0 + eps)).
@@ -74,11 +77,13 @@ def group_baseline(returns: Tensor, group_size: int, mode: str = "group", eps: f
     baseline = grouped.mean(dim=1, keepdim=True).expand_as(grouped)
     if mode == "none":
         scale = torch.ones_like(grouped)
-    elif mode == "group":
-        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(grouped[:, :1])
-        scale = (std + eps).expand_as(grouped)
-    elif mode == "batch":
-        std = grouped.std() if grouped.numel() > 1 else grouped.new_zeros(())
+    elif mode in ("group", "batch"):
+        if mode == "group":
+            std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(grouped[:, :1])  # (P, 1)
+        else:
+            std = grouped.std() if grouped.numel() > 1 else grouped.new_zeros(())  # ()
+        if floor is not None:  # the per-turn credit's floor (token_advantages): never below its deviations
+            std = torch.maximum(std, floor.float().view(-1, group_size).amax(dim=1, keepdim=True))
         scale = (std + eps).expand_as(grouped)
     else:
         raise ValueError(f"advantage mode must be group, batch or none, got {mode!r}")
@@ -115,13 +120,17 @@ def keep_mask(batch: list[Episode], group_size: int, metric: str) -> list[bool]:
 # credit: each loss token's advantage
 
 
-def _whole_batch(values: list[float], mode: str) -> tuple[Tensor, int]:
-    """(the values the normalisation needs, where this rank's start in them): this rank's alone,
-    except for the "batch" mode, whose std is the whole batch's: all-gathered (rank order)."""
+def _whole_batch(wholes: list[float], floors: list[float], mode: str) -> tuple[Tensor, Tensor, int]:
+    """(the whole returns the normalisation needs, their episodes' floors, where this rank's start
+    in them): this rank's alone, except for the "batch" mode, whose std is the whole batch's:
+    all-gathered (rank order)."""
     if mode != "batch" or not dist.is_initialized():
-        return torch.tensor(values, dtype=torch.float32), 0
-    every = all_gather_list([values])  # one list per rank
-    return torch.tensor([x for r in every for x in r], dtype=torch.float32), sum(len(r) for r in every[:dist.get_rank()])
+        return torch.tensor(wholes, dtype=torch.float32), torch.tensor(floors, dtype=torch.float32), 0
+    every = all_gather_list([list(zip(wholes, floors))])  # one list of (whole, floor) per rank
+    pairs = [pair for rank_pairs in every for pair in rank_pairs]
+    start = sum(len(rank_pairs) for rank_pairs in every[:dist.get_rank()])
+    return (torch.tensor([w for w, _ in pairs], dtype=torch.float32),
+            torch.tensor([f for _, f in pairs], dtype=torch.float32), start)
 
 
 def turn_returns(episode: Episode, grpo_cfg: GRPOConfig) -> list[float]:
@@ -138,10 +147,29 @@ def token_advantages(batch: list[Episode], grpo_cfg: GRPOConfig) -> list[Tensor]
     Three moves, shared by every credit: each episode's per-turn returns (turn_returns); one group
     normalisation (group_baseline over the episodes' whole returns, grpo.advantage's mode: "none"
     divides by nothing, "batch" takes the std over every rank's batch), applied to every turn's
-    return, (return_k - baseline) / scale; each token takes its turn's value."""
+    return, (return_k - baseline) / scale; each token takes its turn's value.
+
+    The floor: a group's scale is never below D, the largest per-turn deviation |return_k - return_0|
+    of its episodes: scale = max(std, D) + eps ("none" divides by nothing and needs none). Why: turn
+    k's advantage is (return_0 - baseline)/scale + (return_k - return_0)/scale, the whole return's
+    place in its group plus the turn's deviation (a bonus, a discount). The std measures only the
+    first; where a group's whole returns are equal or nearly so (std ~ 0) the deviations alone were
+    divided by ~eps: a per-turn discount with dynamic sampling off logged pg_loss of 1e3 to 2e5 in
+    2 steps. With the floor the deviation term is within ±1 and the whole-return term within GRPO's
+    own bound (G-1)/√G (Samuelson: |x - mean| ≤ (n-1)/√n times the unbiased std), so
+    |A_k| ≤ (G-1)/√G + 1 ("batch": 2(N-1)/√N + 1 over N episodes); tests/test_credits.py checks it
+    on random groups. Where the outcomes spread more than the deviations (std ≥ D) nothing changes:
+    the outcome credit (D = 0) is bit for bit GRPO's, and the lookup bonus b = 0.2 is unchanged in
+    every group whose rewards differ by a whole point (std ≥ 0.33 at G = 6). The other ways out
+    were worse: pooling every turn's returns into the statistics reweighs even the outcome credit
+    by turn counts; dropping groups with no spread needs a threshold for "nearly" and still divides
+    the deviations by a std just above it. The floor keeps every group and caps what a deviation
+    weighs at one unit of advantage."""
     returns = [torch.tensor(turn_returns(e, grpo_cfg), dtype=torch.float32) for e in batch]  # (turns,) each
-    totals, start = _whole_batch([float(r[0]) for r in returns], grpo_cfg.advantage)  # every rank's in "batch"
-    baseline, scale = (group_baseline(totals, grpo_cfg.group_size, grpo_cfg.advantage, grpo_cfg.adv_eps)
+    wholes = [float(r[0]) for r in returns]
+    floors = [float((r - r[0]).abs().max()) for r in returns]  # D_i: 0 for the outcome credit
+    totals, floor, start = _whole_batch(wholes, floors, grpo_cfg.advantage)  # every rank's in "batch"
+    baseline, scale = (group_baseline(totals, grpo_cfg.group_size, grpo_cfg.advantage, grpo_cfg.adv_eps, floor)
                        if len(totals) else (totals, totals))
     out = []
     for i, (episode, per_turn_returns) in enumerate(zip(batch, returns)):

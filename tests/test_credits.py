@@ -1,9 +1,11 @@
 """The credit: trainer/credits.py's returns functions against hand-computed returns, and
-grpo.token_advantages (one group normalisation, each token its turn's value) against hand values.
+grpo.token_advantages (one group normalisation, each token its turn's value) against hand values,
+a plain-Python loop reference and, on many random groups, the bound every advantage must keep.
 
     .venv/bin/pytest tests/test_credits.py -q
 """
 import math
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +16,7 @@ from config import GRPOConfig
 from grpo import advantages
 from reward import Reward
 from rollout import Trajectory
-from trainer.credits import CREDITS, gold_literals, turn_rewards
+from trainer.credits import CREDITS, CreditSpec, gold_literals, turn_rewards
 
 
 def approx(x, y, tol=1e-6):
@@ -58,7 +60,8 @@ def test_default_credit_is_the_episode_advantage_on_every_token():
 def test_lookup_bonus_hand():
     """Returns 1 + 0.5 and 0 (mean 0.75, unbiased std 0.75 * sqrt 2): the first episode's lookup turn
     (its observation shows the code) gets (1.5 - 0.75) / std, its answer turn (1 - 0.75) / std; the
-    second episode's turns (no code shown) (0 - 0.75) / std each."""
+    second episode's turns (no code shown) (0 - 0.75) / std each. The floor (the largest per-turn
+    deviation, 0.5) is below the std: the std is the scale."""
     batch = [credit_episode(0, 1.0, ["Paris4k | Paris_N"]), credit_episode(0, 0.0, ["Paris_N"])]
     std = 0.75 * math.sqrt(2)
     cfg = GRPOConfig(group_size=2, credit="lookup_bonus", lookup_bonus=0.5, adv_eps=0.0)
@@ -91,18 +94,100 @@ def test_lookup_bonus_in_the_actions_protocol_pays_the_query_that_shows_the_valu
 
 
 @pytest.mark.parametrize("mode", ["group", "batch"])
-def test_per_turn_credit_of_a_group_with_equal_returns_divides_by_eps(mode):
-    """Both episodes found the code and answered right: whole returns 1.5 and 1.5, std 0. The scale is
-    0 + eps (no 0/0): the lookup turns, at the baseline, get exactly 0; the answer turns, judged on
-    the outcome 1.0 alone, get (1.0 - 1.5) / eps (finite). By hand, eps 0.01: -50. "batch" takes the
-    std over the whole batch, here the same two returns."""
+def test_a_group_with_equal_whole_returns_is_floored_not_divided_by_eps(mode):
+    """The issue's blow-up. Lookup bonus 0.5, both episodes found the code and answered right: whole
+    returns 1.5 and 1.5, std 0. Without the floor the answer turns got (1.0 - 1.5) / eps (-5e5 at
+    eps 1e-6); with it the scale is the largest deviation 0.5 (+ eps): lookup turns 0, answer turns
+    -0.5 / 0.5 = -1. "batch" takes the std over the same returns."""
     batch = [credit_episode(0, 1.0, ["Paris4k"]), credit_episode(0, 1.0, ["Paris4k"])]
-    cfg = GRPOConfig(group_size=2, credit="lookup_bonus", lookup_bonus=0.5, adv_eps=0.01, advantage=mode)
-    adv = grpo.token_advantages(batch, cfg)
-    for a in adv:
-        assert torch.isfinite(a).all()
-        assert approx(a, [0.0, 0.0, -50.0, -50.0])
+    adv = grpo.token_advantages(batch, GRPOConfig(group_size=2, credit="lookup_bonus", lookup_bonus=0.5, advantage=mode))
+    assert all(approx(a, [0.0, 0.0, -1.0, -1.0], 1e-5) for a in adv)
     # the default credit on equal rewards: 0 on every token, every mode
     for m in ("group", "batch", "none"):
         adv = grpo.token_advantages(batch, GRPOConfig(group_size=2, advantage=m))
         assert all(a.abs().max() == 0 for a in adv)
+
+
+# -----------------------------------------------------------------------------
+# every advantage is finite and bounded, on random groups
+
+
+def loop_reference(returns: list[list[float]], G: int, mode: str, eps: float) -> list[list[float]]:
+    """The rule in plain Python, one group at a time: baseline = the group's mean whole return
+    (turn 0's); scale = max(std, D) + eps with std unbiased (the group's, or the batch's whole
+    returns' in "batch") and D the group's largest |return_k - return_0|; 1 in "none"."""
+    wholes = [r[0] for r in returns]
+    n = len(wholes)
+    mean_b = sum(wholes) / n
+    std_b = math.sqrt(sum((x - mean_b) ** 2 for x in wholes) / (n - 1))
+    out = []
+    for p in range(n // G):
+        group = returns[p * G:(p + 1) * G]
+        mean = sum(r[0] for r in group) / G
+        std = math.sqrt(sum((r[0] - mean) ** 2 for r in group) / (G - 1)) if mode == "group" else std_b
+        floor = max(abs(x - r[0]) for r in group for x in r)
+        scale = 1.0 if mode == "none" else max(std, floor) + eps
+        out += [[(x - mean) / scale for x in r] for r in group]
+    return out
+
+
+def bound(returns: list[list[float]], G: int, mode: str, p: int) -> float:
+    """What the rewards allow an advantage of group p, derived in grpo.token_advantages: A_k =
+    (r_0 - mean)/scale + (r_k - r_0)/scale with scale ≥ max(std, D). The second term is within ±1
+    (|r_k - r_0| ≤ D). The first: in "group" |r_0 - mean_G| ≤ (G-1)/√G · std_G (Samuelson's
+    inequality, for the unbiased std); in "batch" |r_0 - mean_G| ≤ |r_0 - mean_B| + |mean_B - mean_G|
+    ≤ 2 (N-1)/√N · std_B over the N episodes. In "none" nothing is divided: A_k = r_k - mean_G lies
+    within the range of the group's returns (mean_G is between its smallest and largest)."""
+    if mode == "group":
+        return (G - 1) / math.sqrt(G) + 1
+    if mode == "batch":
+        n = len(returns)
+        return 2 * (n - 1) / math.sqrt(n) + 1
+    values = [x for r in returns[p * G:(p + 1) * G] for x in r]
+    return max(values) - min(values)
+
+
+def random_batch(rng: random.Random, G: int, outcomes: str) -> list:
+    """3 groups of G episodes with 0-3 tool turns each, some showing the code. outcomes: equal (one
+    SkyRL reward per group), skyrl (each -1, 0 or 1), near (a group's rewards 1 + k·2^-10: nearly
+    equal, exact in float32) or normal."""
+    batch = []
+    for p in range(3):
+        same = rng.choice([-1.0, 0.0, 1.0])
+        for _ in range(G):
+            outcome = {"equal": same, "skyrl": rng.choice([-1.0, 0.0, 1.0]), "near": 1.0 + rng.randrange(4) * 2 ** -10,
+                       "normal": rng.gauss(0, 1)}[outcomes]
+            observations = [rng.choice(["Paris4k", "(0 rows)"]) for _ in range(rng.randrange(4))]
+            batch.append(credit_episode(p, outcome, observations))
+    return batch
+
+
+@pytest.mark.parametrize("mode", ["group", "batch", "none"])
+@pytest.mark.parametrize("credit", ["outcome", "lookup_bonus", "any_returns"])
+def test_every_advantage_is_finite_and_bounded_on_random_groups(mode, credit, monkeypatch):
+    """Over random groups (equal, SkyRL, nearly equal and normal outcomes; bonuses of random size; "any_returns": a stand-in credit giving each turn any return, up to 100x apart),
+    every advantage is finite, within the bound above, and equal to the loop reference; the outcome
+    credit's are GRPO's flat advantages bit for bit."""
+    rng = random.Random(f"{mode}-{credit}")
+    monkeypatch.setitem(CREDITS, "any_returns", CreditSpec("any_returns", lambda e, cfg: e.any_returns, ()))
+    for trial in range(24):
+        G = rng.choice([2, 3, 4, 6])
+        batch = random_batch(rng, G, ["equal", "skyrl", "near", "normal"][trial % 4])
+        for e in batch:
+            size = rng.choice([1e-3, 1.0, 100.0])
+            e.any_returns = [rng.gauss(0, size) for _ in range(e.trajectory.num_turns)]
+        cfg = GRPOConfig(group_size=G, advantage=mode, credit=credit, adv_eps=rng.choice([1e-6, 1e-2]),
+                         lookup_bonus=rng.uniform(0.01, 2.0) if credit == "lookup_bonus" else 0.0)
+        returns = [CREDITS[credit].returns(e, cfg) for e in batch]
+        adv = grpo.token_advantages(batch, cfg)
+        want = loop_reference(returns, G, mode, cfg.adv_eps)
+        for i, (e, a) in enumerate(zip(batch, adv)):
+            assert torch.isfinite(a).all()
+            limit = bound(returns, G, mode, i // G)
+            assert a.abs().max() <= limit * (1 + 1e-4) + 1e-5, (mode, credit, trial, a, limit)
+            per_token = [want[i][k] for k in e.trajectory.token_turns()]
+            # float32 against float64: a nearly equal group's r - mean loses ~1e-7 over a scale ~1e-3
+            assert approx(a, per_token, 1e-3), (mode, credit, trial, a, per_token)
+        if credit == "outcome":
+            flat = advantages(torch.tensor([e.reward.value for e in batch]), G, mode, cfg.adv_eps)
+            assert all(torch.equal(a, flat[i].expand_as(a)) for i, a in enumerate(adv))
