@@ -194,6 +194,8 @@ class GRPOConfig:
     # the lookup_bonus credit's b: reward added to the first tool turn whose observation shows a value
     # the gold needs, credited reward-to-go, >= 0 (0.2 was measured); 0 with any other credit
     lookup_bonus: float = 0.0
+    # the turn_discount credit's γ: turn k of K gets γ^(K-1-k) x the outcome, in (0, 1]; 1 with any other credit
+    turn_discount: float = 1.0
     # leave episodes that ran out of room (rollout.TRUNCATED: a turn cut at sampling.max_new_tokens,
     # or sampling.max_context reached) out of the loss; their rewards still enter their group's
     # mean and std (TRL's mask_truncated_completions, DAPO's overlong filtering). grpo.loss_episodes

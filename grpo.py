@@ -6,7 +6,7 @@ update loop (train.update) builds one LossInputs per micro-batch and calls polic
 
 Where to edit for an ablation:
   - the credit: one returns function registered in trainer/credits.py (`outcome_returns` is the
-    default, `lookup_bonus_returns` the worked per-turn credit), picked by
+    default; `lookup_bonus_returns` and `turn_discount_returns` are per-turn credits), picked by
     grpo.credit; the group normalisation (`group_baseline`, with the floor below) and the
     broadcast to tokens (`token_advantages`) are shared by every credit;
   - the loss: one per-token function registered in trainer/losses.py with its default clip,

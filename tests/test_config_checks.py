@@ -99,6 +99,7 @@ def test_prompts_per_step_divisible_by_the_world_size():
     # a credit's key set while grpo.credit picks another (the lookup bonus used to be switched on by its size)
     (["--grpo.lookup_bonus=0.2"], r"grpo.lookup_bonus=0.2 is read by the lookup_bonus credit only, and grpo.credit "
                                   r"is outcome: pick it with grpo.credit=lookup_bonus"),
+    (["--grpo.credit=lookup_bonus", "--grpo.turn_discount=0.9"], "grpo.turn_discount=0.9 is read by the turn_discount"),
     (["--grpo.credit=lookup_bonus"], r"grpo.credit=lookup_bonus reads grpo.lookup_bonus, left at 0.0: off"),
     (["--grpo.loss=cispo", "--grpo.dual_clip_c=3"], "dual-clip caps a PPO-clip loss, and grpo.loss=cispo has none"),
 ])
@@ -139,8 +140,11 @@ def test_keys_that_must_agree(overrides, match):
     # the warm start stops after N passing checks in a row: N = 0 would stop before any check
     (["--sft.stop_checks_in_a_row=1"], 1, None),
     (["--sft.stop_checks_in_a_row=0"], 1, r"sft.stop_checks_in_a_row must be >= 1, got 0"),
-    # the lookup bonus with its size
+    # each credit with its own key; γ = 1 is no discount, 0 would zero every turn but the last
     (["--grpo.credit=lookup_bonus", "--grpo.lookup_bonus=0.2"], 1, None),
+    (["--grpo.credit=turn_discount", "--grpo.turn_discount=0.99"], 1, None),
+    (["--grpo.credit=turn_discount", "--grpo.turn_discount=1.0"], 1, "grpo.credit=turn_discount reads grpo.turn_discount"),
+    (["--grpo.credit=turn_discount", "--grpo.turn_discount=0.0"], 1, r"grpo.turn_discount must be \(0, 1\]"),
     (["--grpo.loss=gspo", "--grpo.dual_clip_c=3"], 1, None),
 ])
 def test_rules_between_keys_at_their_boundaries(overrides, world, error):

@@ -93,15 +93,40 @@ def test_lookup_bonus_in_the_actions_protocol_pays_the_query_that_shows_the_valu
     assert turn_rewards(e, 0.2) == [0.0, 0.2, 0.0, 0.0]
 
 
+def test_turn_discount_returns_hand():
+    # γ = 0.9, outcome -1 over 3 turns: γ², γ, 1 times -1; one turn: the outcome itself
+    cfg = GRPOConfig(credit="turn_discount", turn_discount=0.9)
+    assert approx(CREDITS["turn_discount"].returns(credit_episode(0, -1.0, ["a", "b"]), cfg), [-0.81, -0.9, -1.0])
+    assert CREDITS["turn_discount"].returns(credit_episode(0, 1.0, []), cfg) == [1.0]
+
+
+def test_turn_discount_advantages_hand():
+    """γ = 0.5. Group 1: a 3-turn right episode (returns 0.25, 0.5, 1) beside a 1-turn right one (1):
+    whole returns 0.25 and 1, mean 0.625, std 0.75 / sqrt 2 = 0.53; the largest deviation,
+    |1 - 0.25| = 0.75, is above it and is the scale: (0.25, 0.5, 1 | 1) - 0.625 over 0.75 =
+    (-0.5, -1/6, 0.5 | 0.5). Group 2: a 2-turn right episode (0.5, 1) beside a 1-turn wrong one (-1):
+    mean -0.25, std 1.5 / sqrt 2 = 1.0607 above the deviation 0.5: (0.75, 1.25 | -0.75) / 1.0607."""
+    cfg = GRPOConfig(group_size=2, credit="turn_discount", turn_discount=0.5, adv_eps=0.0)
+    adv = grpo.token_advantages([credit_episode(0, 1.0, ["a", "b"]), credit_episode(0, 1.0, [])], cfg)
+    assert approx(adv[0], [-0.5, -0.5, -1 / 6, -1 / 6, 0.5, 0.5]) and approx(adv[1], [0.5, 0.5])
+    adv = grpo.token_advantages([credit_episode(1, 1.0, ["a"]), credit_episode(1, -1.0, [])], cfg)
+    std = 1.5 / math.sqrt(2)
+    assert approx(adv[0], [0.75 / std] * 2 + [1.25 / std] * 2) and approx(adv[1], [-0.75 / std] * 2)
+
+
 @pytest.mark.parametrize("mode", ["group", "batch"])
 def test_a_group_with_equal_whole_returns_is_floored_not_divided_by_eps(mode):
     """The issue's blow-up. Lookup bonus 0.5, both episodes found the code and answered right: whole
     returns 1.5 and 1.5, std 0. Without the floor the answer turns got (1.0 - 1.5) / eps (-5e5 at
     eps 1e-6); with it the scale is the largest deviation 0.5 (+ eps): lookup turns 0, answer turns
-    -0.5 / 0.5 = -1. "batch" takes the std over the same returns."""
+    -0.5 / 0.5 = -1. Turn discount 0.5, two right 3-turn episodes: returns (0.25, 0.5, 1) each, the
+    scale 0.75: (0, 1/3, 1) where it was (0, 2.5e5, 7.5e5). "batch" takes the std over the same returns."""
     batch = [credit_episode(0, 1.0, ["Paris4k"]), credit_episode(0, 1.0, ["Paris4k"])]
     adv = grpo.token_advantages(batch, GRPOConfig(group_size=2, credit="lookup_bonus", lookup_bonus=0.5, advantage=mode))
     assert all(approx(a, [0.0, 0.0, -1.0, -1.0], 1e-5) for a in adv)
+    batch = [credit_episode(0, 1.0, ["a", "b"]), credit_episode(0, 1.0, ["a", "b"])]
+    adv = grpo.token_advantages(batch, GRPOConfig(group_size=2, credit="turn_discount", turn_discount=0.5, advantage=mode))
+    assert all(approx(a, [0.0, 0.0, 1 / 3, 1 / 3, 1.0, 1.0], 1e-5) for a in adv)
     # the default credit on equal rewards: 0 on every token, every mode
     for m in ("group", "batch", "none"):
         adv = grpo.token_advantages(batch, GRPOConfig(group_size=2, advantage=m))
@@ -163,9 +188,10 @@ def random_batch(rng: random.Random, G: int, outcomes: str) -> list:
 
 
 @pytest.mark.parametrize("mode", ["group", "batch", "none"])
-@pytest.mark.parametrize("credit", ["outcome", "lookup_bonus", "any_returns"])
+@pytest.mark.parametrize("credit", ["outcome", "lookup_bonus", "turn_discount", "any_returns"])
 def test_every_advantage_is_finite_and_bounded_on_random_groups(mode, credit, monkeypatch):
-    """Over random groups (equal, SkyRL, nearly equal and normal outcomes; bonuses of random size; "any_returns": a stand-in credit giving each turn any return, up to 100x apart),
+    """Over random groups (equal, SkyRL, nearly equal and normal outcomes; bonuses and discounts of
+    random size; "any_returns": a stand-in credit giving each turn any return, up to 100x apart),
     every advantage is finite, within the bound above, and equal to the loop reference; the outcome
     credit's are GRPO's flat advantages bit for bit."""
     rng = random.Random(f"{mode}-{credit}")
@@ -177,7 +203,8 @@ def test_every_advantage_is_finite_and_bounded_on_random_groups(mode, credit, mo
             size = rng.choice([1e-3, 1.0, 100.0])
             e.any_returns = [rng.gauss(0, size) for _ in range(e.trajectory.num_turns)]
         cfg = GRPOConfig(group_size=G, advantage=mode, credit=credit, adv_eps=rng.choice([1e-6, 1e-2]),
-                         lookup_bonus=rng.uniform(0.01, 2.0) if credit == "lookup_bonus" else 0.0)
+                         lookup_bonus=rng.uniform(0.01, 2.0) if credit == "lookup_bonus" else 0.0,
+                         turn_discount=rng.uniform(0.05, 1.0) if credit == "turn_discount" else 1.0)
         returns = [CREDITS[credit].returns(e, cfg) for e in batch]
         adv = grpo.token_advantages(batch, cfg)
         want = loop_reference(returns, G, mode, cfg.adv_eps)

@@ -115,6 +115,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "grpo.ppo_epochs": (">= 1", ""),
     "grpo.mini_batches": (">= 1", ""),
     "grpo.lookup_bonus": (">= 0", "a per-turn reward for a lookup that shows a value the answer needs"),
+    "grpo.turn_discount": ("(0, 1]", "γ: turn k of K gets γ^(K-1-k) x the outcome; 1 = no discount"),
     "optim.lr": ("> 0", ""),
     "optim.weight_decay": (">= 0", ""),
     "optim.beta1": ("[0, 1)", ""),

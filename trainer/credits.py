@@ -92,3 +92,13 @@ def lookup_bonus_returns(episode, grpo_cfg) -> list[float]:
     bonuses = turn_rewards(episode, grpo_cfg.lookup_bonus) or [0.0]
     return [episode.reward.value + sum(bonuses[k:]) for k in range(len(bonuses))]
 
+
+@register_credit("turn_discount", keys=("turn_discount",))
+def turn_discount_returns(episode, grpo_cfg) -> list[float]:
+    """The outcome discounted back from the answer: with K turns, turn k's return is
+    γ^(K-1-k) · R (γ = grpo.turn_discount; the last turn gets R, each turn before it γ times the
+    next). The whole return is turn 0's, γ^(K-1) · R: of two right episodes (R > 0) the group
+    prefers the shorter, of two failed ones (R < 0) the longer, whose failure is discounted more;
+    within an episode the later turns carry more of the outcome."""
+    turns = max(episode.trajectory.num_turns, 1)
+    return [grpo_cfg.turn_discount ** (turns - 1 - k) * episode.reward.value for k in range(turns)]
