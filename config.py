@@ -198,7 +198,9 @@ class GRPOConfig:
     turn_discount: float = 1.0
     # leave episodes that ran out of room (rollout.TRUNCATED: a turn cut at sampling.max_new_tokens,
     # or sampling.max_context reached) out of the loss; their rewards still enter their group's
-    # mean and std (TRL's mask_truncated_completions, DAPO's overlong filtering). grpo.loss_episodes
+    # mean and std, as in TRL's mask_truncated_completions and DAPO's overlong filtering.
+    # grpo.loss_episodes. Where we differ from TRL: TRL keeps a sample whose tool observation left no
+    # room (it drops the tool result, and the sample ends at EOS); we mask it (rollout's `context` end)
     mask_truncated: bool = False
 
 
