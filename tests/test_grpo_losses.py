@@ -143,6 +143,36 @@ def test_cispo_hand_values_and_gradients():
 
 
 # -----------------------------------------------------------------------------
+# SAPO
+
+
+def test_sapo_hand_values_and_gradients():
+    """The SAPO paper's gate, by hand: f(ρ) = (4/τ) σ(τ(ρ-1)), ℓ_t = -f(ρ_t) A_t, τ = 1.0 for A > 0
+    and 1.05 for A < 0; d ℓ_t / d log π_θ = -A_t · 4σ(1-σ) · ρ_t. ρ = [1, 1.5, 0.5], A = [1, -1, 2],
+    token-mean over 3: at ρ = 1 the value -2A/τ = -2 and the plain policy gradient -A = -1."""
+    sig = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
+    rho, adv, tau = [1.0, 1.5, 0.5], [1.0, -1.0, 2.0], [1.0, 1.05, 1.0]
+    want_loss = [-(4 / t) * sig(t * (r - 1)) * a for r, a, t in zip(rho, adv, tau)]
+    want_grad = [-a * 4 * sig(t * (r - 1)) * (1 - sig(t * (r - 1))) * r for r, a, t in zip(rho, adv, tau)]
+    assert approx(want_loss[0], -2.0) and approx(want_grad[0], -1.0)
+    assert approx(want_loss[1], 2.393585, 1e-5) and approx(want_grad[1], 1.401210, 1e-5)
+    logp, old, _, mask = rows_of([[0.0, L(1.5), L(0.5)]], [0])
+    loss, met = loss_of(logp, old, torch.tensor([adv]), mask, loss="sapo", clip_low=-1, clip_high=-1, norm=3)
+    assert approx(loss, sum(want_loss) / 3) and approx(met["pg_loss"], sum(want_loss) / 3)
+    loss.backward()
+    assert approx(logp.grad, [[g / 3 for g in want_grad]])
+    assert approx(met["ratio_max"], 1.5) and "clip_frac" not in met  # no clip, so no clip metric
+    # where PPO-clip (ε 0.2) zeroes a token's gradient (ρ = 1.5 with A > 0), SAPO's gate keeps a
+    # smaller one: -4σ(0.5)(1 - σ(0.5)) · 1.5
+    logp.grad = None
+    loss_of(logp, old, torch.tensor([[1.0, 1.0, 1.0]]), mask, loss="sapo", clip_low=-1, clip_high=-1, norm=1)[0].backward()
+    assert approx(logp.grad[0, 1], -4 * sig(0.5) * (1 - sig(0.5)) * 1.5)
+    logp.grad = None
+    loss_of(logp, old, torch.tensor([[1.0, 1.0, 1.0]]), mask, loss="grpo", **CLIP, norm=1)[0].backward()
+    assert logp.grad[0, 1] == 0
+
+
+# -----------------------------------------------------------------------------
 # defaults and the config
 
 

@@ -150,3 +150,19 @@ def cispo(x: PgInputs, clip: tuple[float, float]) -> PgTerm:
     weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high).detach()
     pg = -weight * x.advantages * x.logprobs
     return PgTerm(pg, ratio, {"clip_frac": masked_mean((weight != ratio).float(), x.mask)})
+
+
+# SAPO's temperatures (the paper's 1.0 and 1.05): τ_neg > τ_pos makes the gate fade sooner for
+# negative advantages, whose update raises the logits of many unsampled tokens at once (less stable)
+@register_loss("sapo", clip=None)
+def sapo(x: PgInputs, clip: None, tau_pos: float = 1.0, tau_neg: float = 1.05) -> PgTerm:
+    """SAPO (Soft Adaptive Policy Optimization): a smooth, temperature-controlled gate on the token
+    ratio in place of a hard clip:
+        pg_t = -f(ρ_t) · A_t,   f(ρ) = (4/τ) · σ(τ(ρ - 1)),   τ = τ_pos if A_t > 0 else τ_neg
+    Its gradient, d pg_t / d log π_θ = -A_t · 4σ(1-σ) · ρ_t (σ at τ(ρ_t - 1)), is the policy gradient
+    -A_t at ρ = 1 and fades smoothly as ρ leaves 1, where PPO-clip zeroes it at the band's edge.
+    Declared without a clip: grpo.clip_low/clip_high stay < 0."""
+    ratio = torch.exp(x.log_ratio)
+    tau = torch.where(x.advantages > 0, tau_pos, tau_neg)
+    gate = 4.0 / tau * torch.sigmoid(tau * (ratio - 1.0))
+    return PgTerm(-gate * x.advantages, ratio)
