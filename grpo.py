@@ -160,11 +160,11 @@ def token_advantages(batch: list[Episode], grpo_cfg: GRPOConfig) -> list[Tensor]
     |A_k| ≤ (G-1)/√G + 1 ("batch": 2(N-1)/√N + 1 over N episodes); tests/test_credits.py checks it
     on random groups. Where the outcomes spread more than the deviations (std ≥ D) nothing changes:
     the outcome credit (D = 0) is bit for bit GRPO's, and the lookup bonus b = 0.2 is unchanged in
-    every group whose rewards differ by a whole point (std ≥ 0.33 at G = 6). The other ways out
-    were worse: pooling every turn's returns into the statistics reweighs even the outcome credit
-    by turn counts; dropping groups with no spread needs a threshold for "nearly" and still divides
-    the deviations by a std just above it. The floor keeps every group and caps what a deviation
-    weighs at one unit of advantage."""
+    every group whose rewards differ by a whole point (std ≥ 0.8/√6 = 0.32 at G = 6). The other
+    ways out were worse: pooling every turn's returns into the statistics reweighs even the outcome
+    credit by turn counts; dropping groups with no spread needs a threshold for "nearly" and still
+    divides the deviations by a std just above it. The floor keeps every group and caps what a
+    deviation weighs at one unit of advantage."""
     returns = [torch.tensor(turn_returns(e, grpo_cfg), dtype=torch.float32) for e in batch]  # (turns,) each
     wholes = [float(r[0]) for r in returns]
     floors = [float((r - r[0]).abs().max()) for r in returns]  # D_i: 0 for the outcome credit
