@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainer import config_loader
 from trainer.config_loader import ConfigError, dump, to_dict  # noqa: F401 (the config's API in one place)
+from trainer.credits import CREDITS  # grpo.credit's values: the registered credits
+from trainer.losses import LOSSES  # grpo.loss's values: the registered losses
 
 
-def choice(default, *options, help=""):
+def choice(default: str, *options: str, help: str = "") -> Any:
     """A str field restricted to a few values (checked when the config is loaded)."""
     assert default in options
     return field(default=default, metadata={"choices": options, "help": help})
@@ -161,10 +164,10 @@ class GRPOConfig:
     # advantage normalisation: group = (R - mean_G) / (std_G + eps); batch = std over the batch; none = R - mean_G
     advantage: str = choice("group", "group", "batch", "none")
     adv_eps: float = 1e-6  # the eps above, > 0
-    loss: str = choice("grpo", "grpo", "gspo", "gspo-token", "cispo",
-                       help="grpo = PPO-clip per token; gspo(-token) = sequence ratio; cispo = clipped IS weight")
-    clip_low: float = -1.0  # ε_low of the ratio clip; < 0 = the loss's default (grpo 0.2, gspo 3e-4, cispo 1.0)
-    clip_high: float = -1.0  # ε_high; < 0 = the loss's default (grpo 0.2, gspo 4e-4, cispo 0.28); 0.28 = DAPO
+    # the policy loss: a function registered in trainer/losses.py (its docstring gives the formula)
+    loss: str = choice("grpo", *LOSSES, help="a loss registered in trainer/losses.py")
+    clip_low: float = -1.0  # ε_low of the ratio clip; < 0 = the loss's declared default (grpo's 0.2)
+    clip_high: float = -1.0  # ε_high; < 0 = the loss's declared default (grpo's 0.2); 0.28 = DAPO clip-higher
     dual_clip_c: float = 0.0  # dual-clip bound c for negative advantages, 0 = off, else > 1 (3.0 in verl)
     kl_beta: float = 0.0  # weight of the k3 KL to a frozen reference, >= 0; > 0 loads the reference
     # loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, drgrpo (sum / (B·L))
@@ -185,12 +188,19 @@ class GRPOConfig:
     max_resample_rounds: int = 3  # extra sampling rounds to refill dropped groups, >= 0
     ppo_epochs: int = 1  # passes over each rollout batch, >= 1
     mini_batches: int = 1  # optimizer steps per rollout batch per epoch, >= 1
-    # per-turn credit (grpo.lookup_bonus_returns): reward added to the first tool turn whose observation
-    # shows a value the gold needs, credited reward-to-go, >= 0; 0 = off (the outcome on every turn)
+    # the credit: each turn's return, a function registered in trainer/credits.py; outcome = the
+    # outcome reward on every turn
+    credit: str = choice("outcome", *CREDITS, help="a credit registered in trainer/credits.py")
+    # the lookup_bonus credit's b: reward added to the first tool turn whose observation shows a value
+    # the gold needs, credited reward-to-go, >= 0 (0.2 was measured); 0 with any other credit
     lookup_bonus: float = 0.0
+    # the turn_discount credit's γ: turn k of K gets γ^(K-1-k) x the outcome, in (0, 1]; 1 with any other credit
+    turn_discount: float = 1.0
     # leave episodes that ran out of room (rollout.TRUNCATED: a turn cut at sampling.max_new_tokens,
     # or sampling.max_context reached) out of the loss; their rewards still enter their group's
-    # mean and std (TRL's mask_truncated_completions, DAPO's overlong filtering). grpo.loss_episodes
+    # mean and std, as in TRL's mask_truncated_completions and DAPO's overlong filtering.
+    # grpo.loss_episodes. Where we differ from TRL: TRL keeps a sample whose tool observation left no
+    # room (it drops the tool result, and the sample ends at EOS); we mask it (rollout's `context` end)
     mask_truncated: bool = False
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import config as C
 
+Point = tuple[str, dict]  # (name, {"group.key": value} overrides): one column of the table
+
 DONE = "run/done"  # train.py's last metrics line (plot.DONE); duplicated to keep sweep.py light
 HERE = Path(__file__).resolve().parent
 
@@ -76,7 +78,7 @@ def parse_grid(items: list[str]) -> dict[str, list[str]]:
     return grid
 
 
-def expand(variants: list[str], grid: dict[str, list[str]]) -> list[tuple[str, dict]]:
+def expand(variants: list[str], grid: dict[str, list[str]]) -> list[Point]:
     """Points (name, overrides): each variant (or none) × the Cartesian product of the grid.
     The name joins the variant and the grid values: "dapo", "grpo.loss=gspo,optim.lr=1e-3", ..."""
     unknown = [v for v in variants if v not in VARIANTS]
@@ -97,7 +99,7 @@ def argv_of(overrides: dict) -> list[str]:
     return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items()]
 
 
-def validate(config_path: str, points, fixed: dict):
+def validate(config_path: str, points: list[Point], fixed: dict) -> None:
     """Raise config.ConfigError (config.py's and trainer/config_checks.py's messages: a bad key, a value out
     of range, keys that disagree) for any point before anything runs (each point is one process)."""
     from trainer import config_checks
@@ -140,7 +142,8 @@ def run_one(config_path: str, run_dir: Path, argv: list[str]) -> float:
     return wall
 
 
-def run_sweep(config_path: str, points, seeds: list[int], fixed: dict, out: Path, jobs: int, threads: int):
+def run_sweep(config_path: str, points: list[Point], seeds: list[int], fixed: dict, out: Path, jobs: int,
+              threads: int) -> None:
     """Build the shared assets once (toy data, tiny model), then every (point, seed) not finished."""
     import sft  # the asset builder and what it needs; imported here so the report path needs no model code
     from model import Transformer
@@ -158,7 +161,7 @@ def run_sweep(config_path: str, points, seeds: list[int], fixed: dict, out: Path
             todo.append((name, s, d, argv))
     print(f"[sweep] {len(todo)} run(s) to do, {jobs} at a time, {threads} thread(s) each", flush=True)
 
-    def go(job):
+    def go(job: tuple[str, int, Path, list[str]]) -> None:
         name, s, d, argv = job
         print(f"[sweep] start {name} seed {s} -> {d}", flush=True)
         wall = run_one(config_path, d, argv)
@@ -189,7 +192,7 @@ def mean_spread(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def summarise(points, seeds: list[int], out: Path) -> list[dict]:
+def summarise(points: list[Point], seeds: list[int], out: Path) -> list[dict]:
     """One row per point with finished runs: EX at the first and last evaluation, per seed."""
     rows = []
     for name, _ in points:
@@ -210,7 +213,7 @@ def summarise(points, seeds: list[int], out: Path) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     """Markdown; EX in percent, mean ± sample std over seeds."""
-    def pm(xs):
+    def pm(xs: list[float]) -> str:
         m, s = mean_spread(xs)
         return f"{100 * m:.1f} ± {100 * s:.1f}"
     lines = ["| variant | seeds | held-out EX start (%) | EX end (%) | Δ EX (points) | steps | wall / run (min) |",
@@ -222,7 +225,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path):
+def plot(rows: list[dict], path: Path) -> None:
     """Held-out EX over GRPO steps: one line per variant (mean over seeds), band = min..max over seeds."""
     import matplotlib
     matplotlib.use("Agg")
@@ -243,7 +246,7 @@ def plot(rows: list[dict], path: Path):
     plt.close(fig)
 
 
-def report(points, seeds: list[int], out: Path, command: str = "") -> str:
+def report(points: list[Point], seeds: list[int], out: Path, command: str = "") -> str:
     rows = summarise(points, seeds, out)
     md = table(rows)
     (out / "results.md").write_text((f"`{command}`\n\n" if command else "") + md)
@@ -255,7 +258,7 @@ def report(points, seeds: list[int], out: Path, command: str = "") -> str:
 # -----------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None):
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("config")
     ap.add_argument("--grid", action="append", default=[], help="group.key=v1,v2 (repeatable: Cartesian product)")
@@ -266,24 +269,24 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--threads", type=int, default=0, help="train.threads per run (0: cores // jobs)")
     ap.add_argument("--out", default="runs/sweep")
     ap.add_argument("--report-only", action="store_true", help="write the table and plot from finished runs")
-    a = ap.parse_args(argv)
-    variants = list(VARIANTS) if a.variants == "all" else [v for v in a.variants.split(",") if v]
-    seeds = [int(s) for s in a.seeds.split(",") if s]
+    args = ap.parse_args(argv)
+    variants = list(VARIANTS) if args.variants == "all" else [v for v in args.variants.split(",") if v]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
     fixed = {}
-    for it in a.set:
+    for it in args.set:
         if "=" not in it:
             raise C.ConfigError(f"--set '{it}' must look like group.key=value")
         k, v = it.split("=", 1)
         fixed[k.removeprefix("--")] = v
-    points = expand(variants, parse_grid(a.grid))
-    validate(a.config, points, fixed)
-    out = Path(a.out)
+    points = expand(variants, parse_grid(args.grid))
+    validate(args.config, points, fixed)
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps({"config": a.config, "points": points, "seeds": seeds,
+    (out / "sweep.json").write_text(json.dumps({"config": args.config, "points": points, "seeds": seeds,
                                                 "fixed": fixed}, indent=1, default=str))
-    if not a.report_only:
-        threads = a.threads or max(1, (os.cpu_count() or 1) // a.jobs)
-        run_sweep(a.config, points, seeds, fixed, out, a.jobs, threads)
+    if not args.report_only:
+        threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
+        run_sweep(args.config, points, seeds, fixed, out, args.jobs, threads)
     print(report(points, seeds, out, "python " + " ".join(["sweep.py", *(argv if argv is not None else sys.argv[1:])])))
     print(f"[sweep] table: {out / 'results.md'}  plot: {out / 'ex.png'}")
 

@@ -96,6 +96,12 @@ def test_prompts_per_step_divisible_by_the_world_size():
     (["--env.obs_template=<o>{result} {turn_left}</o>"], "env.obs_template names turn_left"),
     (["--env.error_text=Error: {error"], "env.error_text is not a format string"),
     (["--optim.lr=.inf"], "optim.lr must be > 0, got inf"),
+    # a credit's key set while grpo.credit picks another (the lookup bonus used to be switched on by its size)
+    (["--grpo.lookup_bonus=0.2"], r"grpo.lookup_bonus=0.2 is read by the lookup_bonus credit only, and grpo.credit "
+                                  r"is outcome: pick it with grpo.credit=lookup_bonus"),
+    (["--grpo.credit=lookup_bonus", "--grpo.turn_discount=0.9"], "grpo.turn_discount=0.9 is read by the turn_discount"),
+    (["--grpo.credit=lookup_bonus"], r"grpo.credit=lookup_bonus reads grpo.lookup_bonus, left at 0.0: off"),
+    (["--grpo.loss=cispo", "--grpo.dual_clip_c=3"], "dual-clip caps a PPO-clip loss, and grpo.loss=cispo has none"),
 ])
 def test_keys_that_must_agree(overrides, match):
     with pytest.raises(C.ConfigError, match=match):
@@ -134,6 +140,12 @@ def test_keys_that_must_agree(overrides, match):
     # the warm start stops after N passing checks in a row: N = 0 would stop before any check
     (["--sft.stop_checks_in_a_row=1"], 1, None),
     (["--sft.stop_checks_in_a_row=0"], 1, r"sft.stop_checks_in_a_row must be >= 1, got 0"),
+    # each credit with its own key; γ = 1 is no discount, 0 would zero every turn but the last
+    (["--grpo.credit=lookup_bonus", "--grpo.lookup_bonus=0.2"], 1, None),
+    (["--grpo.credit=turn_discount", "--grpo.turn_discount=0.99"], 1, None),
+    (["--grpo.credit=turn_discount", "--grpo.turn_discount=1.0"], 1, "grpo.credit=turn_discount reads grpo.turn_discount"),
+    (["--grpo.credit=turn_discount", "--grpo.turn_discount=0.0"], 1, r"grpo.turn_discount must be \(0, 1\]"),
+    (["--grpo.loss=gspo", "--grpo.dual_clip_c=3"], 1, None),
 ])
 def test_rules_between_keys_at_their_boundaries(overrides, world, error):
     cfg = C.load_config(overrides)
@@ -142,6 +154,19 @@ def test_rules_between_keys_at_their_boundaries(overrides, world, error):
     else:
         with pytest.raises(C.ConfigError, match=error):
             config_checks.validate(cfg, world)
+
+
+def test_a_loss_declared_without_a_clip_refuses_one(monkeypatch):
+    """A loss whose declaration has no clip (trainer/losses.py) would ignore grpo.clip_low/clip_high:
+    the config says so instead. Checked on a registered stand-in, so it holds for any such loss."""
+    from trainer.losses import LOSSES, LossSpec
+    monkeypatch.setitem(LOSSES, "no-clip", LossSpec("no-clip", LOSSES["grpo"].fn, None, False, False))
+    cfg = C.Config()
+    cfg.grpo.loss = "no-clip"
+    config_checks.validate(cfg)
+    cfg.grpo.clip_high = 0.28
+    with pytest.raises(C.ConfigError, match=r"grpo.loss=no-clip has no clip: .* must stay < 0"):
+        config_checks.validate(cfg)
 
 
 def test_a_yaml_syntax_error_is_one_line_with_its_place(tmp_path):

@@ -1,4 +1,5 @@
-"""grpo.py against hand-computed values, a loop reference, and a one-step learning check.
+"""grpo.py against hand-computed values, a loop reference, and a one-step learning check (the credit:
+tests/test_credits.py; each registered loss: tests/test_grpo_losses.py).
 
     .venv/bin/pytest tests/test_grpo.py -q
 """
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from conftest import loss_of
-import grpo
-from grpo import AGGS, advantages, global_norm, keep_mask_dynamic, masked_mean
+from grpo import AGGS, advantages, global_norm, keep_mask_dynamic
+from trainer.losses import masked_mean
 
 L = math.log
 CLIP = dict(clip_low=0.2, clip_high=0.2)
@@ -129,96 +130,6 @@ def test_dynamic_sampling_on_exec_match_drops_all_wrong_groups_that_differ_only_
                 [(0.025, False), (0.075, False), (1.05, True), (0.05, False)]]
     assert grpo.keep_mask(episodes, 2, "reward") == [True] * 4
     assert grpo.keep_mask(episodes, 2, "exec_match") == [False, False, True, True]
-
-
-# -----------------------------------------------------------------------------
-# the credit: per-token advantages (grpo.token_advantages), the lookup bonus
-
-
-def credit_episode(group, outcome, observations, question="customers in Paris", gold="SELECT * FROM c WHERE city = 'Paris4k'"):
-    """A fake episode of len(observations) tool turns then an answer turn: prompt [0, 0], each turn
-    2 sampled tokens then (tool turns) 1 observation token; steps as env.step_record writes them."""
-    from types import SimpleNamespace
-
-    from reward import Reward
-    from rollout import Trajectory
-    ids, mask, spans, steps = [0, 0], [0, 0], [], []
-    for obs in observations:
-        spans.append((len(ids), len(ids) + 2))
-        ids, mask = ids + [1, 1, 9], mask + [1, 1, 0]
-        steps.append({"kind": "sql", "arg": "SELECT", "ok": True, "rows": None, "n_rows": 1, "observation": obs})
-    spans.append((len(ids), len(ids) + 2))
-    ids, mask = ids + [1, 1], mask + [1, 1]
-    steps.append({"kind": "solution", "arg": gold, "ok": False, "rows": None, "n_rows": None, "observation": ""})
-    traj = Trajectory.of([0, 0], ids, mask, [0.0] * len(ids), turn_spans=spans, num_turns=len(spans), steps=steps)
-    return SimpleNamespace(trajectory=traj, reward=Reward(outcome, outcome == 1.0, True),
-                           example={"gold_sql": gold, "question": question}, group=group)
-
-
-def test_token_turns_follow_the_turn_spans():
-    e = credit_episode(0, 1.0, ["x", "y"])
-    assert e.trajectory.token_turns() == [0, 0, 1, 1, 2, 2]
-
-
-def test_default_credit_is_the_episode_advantage_on_every_token():
-    from config import GRPOConfig
-    g = GRPOConfig(group_size=2)
-    batch = [credit_episode(0, 1.0, ["Paris4k"]), credit_episode(0, 0.0, ["none"])]
-    adv = grpo.token_advantages(batch, g)
-    want = advantages(torch.tensor([1.0, 0.0]), 2, "group")
-    assert [a.tolist() for a in adv] == [[want[0].item()] * 4, [want[1].item()] * 4]
-
-
-def test_lookup_bonus_hand():
-    """Returns 1 + 0.5 and 0 (mean 0.75, unbiased std 0.75 * sqrt 2): the first episode's lookup turn
-    (its observation shows the code) gets (1.5 - 0.75) / std, its answer turn (1 - 0.75) / std; the
-    second episode's turns (no code shown) (0 - 0.75) / std each."""
-    from config import GRPOConfig
-    batch = [credit_episode(0, 1.0, ["Paris4k | Paris_N"]), credit_episode(0, 0.0, ["Paris_N"])]
-    std = 0.75 * math.sqrt(2)
-    adv = grpo.token_advantages(batch, GRPOConfig(group_size=2, lookup_bonus=0.5, adv_eps=0.0))
-    assert approx(adv[0], [0.75 / std] * 2 + [0.25 / std] * 2) and approx(adv[1], [-0.75 / std] * 4)
-    adv = grpo.token_advantages(batch, GRPOConfig(group_size=2, lookup_bonus=0.5, advantage="none"))
-    assert approx(adv[0], [0.75, 0.75, 0.25, 0.25]) and approx(adv[1], [-0.75] * 4)
-
-
-def test_lookup_bonus_only_once_and_only_for_values_the_question_does_not_spell_out():
-    e = credit_episode(0, 1.0, ["(0 rows)", "Paris4k", "Paris4k again"])
-    assert grpo.turn_rewards(e, 0.2) == [0.0, 0.2, 0.0, 0.0]  # the first lookup that shows it
-    direct = credit_episode(0, 1.0, ["Paris"], gold="SELECT * FROM c WHERE city = 'Paris'")
-    assert grpo.gold_literals(direct.example) == [] and grpo.turn_rewards(direct, 0.2) == [0.0, 0.0]
-    assert grpo.gold_literals({"gold_sql": "SELECT 'it''s', 'a', 'it''s'", "question": "q"}) == ["it's", "a"]
-
-
-def test_lookup_bonus_in_the_actions_protocol_pays_the_query_that_shows_the_value():
-    """The actions protocol's lookups are QUERY steps: the first query whose rows show the code earns
-    the bonus; a DESCRIBE (schema) or SAMPLE step shows no looked-up value and earns nothing, even
-    when its rows happen to hold the code."""
-    e = credit_episode(0, 1.0, ["city TEXT", "Paris4k | 3", "Paris4k | 5"])
-    for step, kind in zip(e.trajectory.steps, ["describe", "sample", "query"]):
-        step["kind"] = kind
-    e.trajectory.steps[-1]["kind"] = "answer"
-    assert grpo.turn_rewards(e, 0.2) == [0.0, 0.0, 0.2, 0.0]
-    e.trajectory.steps[1]["kind"] = "query"  # now the second step is the first query showing it
-    assert grpo.turn_rewards(e, 0.2) == [0.0, 0.2, 0.0, 0.0]
-
-
-@pytest.mark.parametrize("mode", ["group", "batch"])
-def test_per_turn_credit_of_a_group_with_equal_returns_divides_by_eps(mode):
-    """Both episodes found the code and answered right: whole returns 1.5 and 1.5, std 0. The scale is
-    0 + eps (no 0/0): the lookup turns, at the baseline, get exactly 0; the answer turns, judged on
-    the outcome 1.0 alone, get (1.0 - 1.5) / eps (finite). By hand, eps 0.01: -50. "batch" takes the
-    std over the whole batch, here the same two returns."""
-    from config import GRPOConfig
-    batch = [credit_episode(0, 1.0, ["Paris4k"]), credit_episode(0, 1.0, ["Paris4k"])]
-    adv = grpo.token_advantages(batch, GRPOConfig(group_size=2, lookup_bonus=0.5, adv_eps=0.01, advantage=mode))
-    for a in adv:
-        assert torch.isfinite(a).all()
-        assert approx(a, [0.0, 0.0, -50.0, -50.0])
-    # the default credit on equal rewards: 0 on every token, every mode
-    for m in ("group", "batch", "none"):
-        adv = grpo.token_advantages(batch, GRPOConfig(group_size=2, advantage=m))
-        assert all(a.abs().max() == 0 for a in adv)
 
 
 # -----------------------------------------------------------------------------

@@ -1,6 +1,9 @@
-"""grpo.policy_loss's variants (gspo, gspo-token, cispo) and its clamps, against hand-computed
-values and gradients from the papers' formulas, a per-sequence reference written from the GSPO
-paper, and the micro-batch split contract for every loss × aggregation × rollout correction.
+"""The registered losses (trainer/losses.py) through grpo.policy_loss, and its clamps: each loss
+against hand-computed values and gradients from its paper's formula (a per-sequence reference
+written from the GSPO paper), and, for every registered loss (parametrised from LOSSES, each
+expectation read from its declaration), the policy gradient on-policy, the micro-batch split
+contract × aggregation × rollout correction, extreme tokens and masked inf/nan. A new loss needs
+its own hand-computed test here; the shared ones pick it up from the registry.
 
     .venv/bin/pytest tests/test_grpo_losses.py -q
 """
@@ -10,8 +13,9 @@ import pytest
 import torch
 
 from conftest import loss_of
-from grpo import AGGS, DEFAULT_CLIP, LOSSES, LossInputs, clip_range, global_norm, policy_loss
+from grpo import AGGS, LossInputs, global_norm, policy_loss
 from config import GRPOConfig
+from trainer.losses import LOSSES, clip_range
 from trainer.rollout_correction import KINDS, RolloutIS
 
 L = math.log
@@ -86,7 +90,7 @@ def test_gspo_matches_paper_on_random_batches(loss_name):
     old = logp.detach() + 1e-3 * torch.randn(6, 7, generator=g)  # near on-policy: some clipped
     adv = torch.randn(6, generator=g)
     mask = (torch.arange(7)[None] < torch.tensor([7, 1, 4, 6, 2, 5])[:, None]).float()
-    lo, hi = DEFAULT_CLIP[loss_name]
+    lo, hi = LOSSES[loss_name].clip
     loss, met = loss_of(logp, old, adv, mask, loss=loss_name, clip_low=-1, clip_high=-1,
                             agg="seq-mean-token-mean", norm=6)
     (grad,) = torch.autograd.grad(loss, logp)
@@ -139,16 +143,63 @@ def test_cispo_hand_values_and_gradients():
 
 
 # -----------------------------------------------------------------------------
+# SAPO
+
+
+def test_sapo_hand_values_and_gradients():
+    """The SAPO paper's gate, by hand: f(ρ) = (4/τ) σ(τ(ρ-1)), ℓ_t = -f(ρ_t) A_t, τ = 1.0 for A > 0
+    and 1.05 for A < 0; d ℓ_t / d log π_θ = -A_t · 4σ(1-σ) · ρ_t. ρ = [1, 1.5, 0.5], A = [1, -1, 2],
+    token-mean over 3: at ρ = 1 the value -2A/τ = -2 and the plain policy gradient -A = -1."""
+    sig = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
+    rho, adv, tau = [1.0, 1.5, 0.5], [1.0, -1.0, 2.0], [1.0, 1.05, 1.0]
+    want_loss = [-(4 / t) * sig(t * (r - 1)) * a for r, a, t in zip(rho, adv, tau)]
+    want_grad = [-a * 4 * sig(t * (r - 1)) * (1 - sig(t * (r - 1))) * r for r, a, t in zip(rho, adv, tau)]
+    assert approx(want_loss[0], -2.0) and approx(want_grad[0], -1.0)
+    assert approx(want_loss[1], 2.393585, 1e-5) and approx(want_grad[1], 1.401210, 1e-5)
+    logp, old, _, mask = rows_of([[0.0, L(1.5), L(0.5)]], [0])
+    loss, met = loss_of(logp, old, torch.tensor([adv]), mask, loss="sapo", clip_low=-1, clip_high=-1, norm=3)
+    assert approx(loss, sum(want_loss) / 3) and approx(met["pg_loss"], sum(want_loss) / 3)
+    loss.backward()
+    assert approx(logp.grad, [[g / 3 for g in want_grad]])
+    assert approx(met["ratio_max"], 1.5) and "clip_frac" not in met  # no clip, so no clip metric
+    # where PPO-clip (ε 0.2) zeroes a token's gradient (ρ = 1.5 with A > 0), SAPO's gate keeps a
+    # smaller one: -4σ(0.5)(1 - σ(0.5)) · 1.5
+    logp.grad = None
+    loss_of(logp, old, torch.tensor([[1.0, 1.0, 1.0]]), mask, loss="sapo", clip_low=-1, clip_high=-1, norm=1)[0].backward()
+    assert approx(logp.grad[0, 1], -4 * sig(0.5) * (1 - sig(0.5)) * 1.5)
+    logp.grad = None
+    loss_of(logp, old, torch.tensor([[1.0, 1.0, 1.0]]), mask, loss="grpo", **CLIP, norm=1)[0].backward()
+    assert logp.grad[0, 1] == 0
+
+
+# -----------------------------------------------------------------------------
 # defaults and the config
 
 
-def test_clip_defaults_per_loss_and_the_config_group():
-    assert clip_range("grpo", -1, -1) == (0.2, 0.2)
-    assert clip_range("gspo", -1, -1) == (3e-4, 4e-4) == clip_range("gspo-token", -1.0, -1.0)
-    assert clip_range("cispo", -1, -1) == (1.0, 0.28)
-    assert clip_range("gspo", 0.1, -1) == (0.1, 4e-4)  # an explicit value wins
+@pytest.mark.parametrize("loss_name", LOSSES)
+def test_clip_range_reads_the_declaration(loss_name):
+    """clip < 0 takes the loss's declared default, an explicit value wins; a loss declared without
+    a clip gets none (and the config refuses a clip for it: tests/test_config_checks.py)."""
+    clip = LOSSES[loss_name].clip
+    assert clip_range(loss_name, -1, -1) == clip
+    if clip is not None:
+        assert clip_range(loss_name, 0.1, -1) == (0.1, clip[1]) and clip_range(loss_name, -1, 0.5) == (clip[0], 0.5)
+    else:
+        assert clip_range(loss_name, 0.1, 0.5) is None
+
+
+def test_declared_clips_are_the_papers():
+    # PPO/GRPO ε 0.2; GSPO 3e-4 / 4e-4 on its sequence ratio; CISPO no lower bound (1 - 1.0 = 0), ε_high 0.28
+    assert LOSSES["grpo"].clip == (0.2, 0.2)
+    assert LOSSES["gspo"].clip == (3e-4, 4e-4) == LOSSES["gspo-token"].clip
+    assert LOSSES["cispo"].clip == (1.0, 0.28)
+    assert LOSSES["gspo"].sequence_ratio and LOSSES["gspo-token"].sequence_ratio and not LOSSES["grpo"].sequence_ratio
+    assert not LOSSES["cispo"].dual_clip and LOSSES["grpo"].dual_clip  # CISPO has no PPO-clip min
     with pytest.raises(AssertionError, match="grpo.loss"):
         clip_range("ppo", 0.2, 0.2)
+
+
+def test_gspo_default_clip_acts_on_the_sequence_ratio_and_drgrpo_length():
     # GSPO's ε is per sequence ratio: s = e^0.001 > 1 + 4e-4 is already clipped (A > 0)
     logp, old, adv, mask = rows_of([[0.001, 0.001]], [1])
     loss, _ = loss_of(logp, old, adv, mask, loss="gspo", clip_low=-1, clip_high=-1, norm=2)
@@ -181,8 +232,25 @@ def test_extreme_tokens_stay_finite(loss_name):
         assert torch.isfinite(loss) and torch.isfinite(logp.grad).all(), loss_name
         assert all(torch.isfinite(v) for v in met.values()), met
         assert approx(met["kl"], 10 / 3)  # the first token's k3 capped at 10, the others 0
-        # log ρ = (20, 0, -20) after the clamp; GSPO's sequence ratio is exp(mean) = 1
-        assert approx(met["ratio_max"], math.exp(20) if loss_name in ("grpo", "cispo") else 1.0)
+        # log ρ = (20, 0, -20) after the clamp; a sequence ratio is exp(mean) = 1
+        assert approx(met["ratio_max"], 1.0 if LOSSES[loss_name].sequence_ratio else math.exp(20))
+
+
+@pytest.mark.parametrize("loss_name", LOSSES)
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_on_policy_every_loss_is_the_policy_gradient(loss_name, agg):
+    """At π_θ = π_old (ρ = 1 on every token, as with one optimizer step per batch) every surrogate's
+    gradient is the policy gradient: d loss / d log π_θ(y_t) = -A_i / norm for token-mean, and
+    -A_i / (|y_i| · norm) for seq-mean-token-mean (REINFORCE with the advantage; each loss's clip
+    or gate is inactive at ρ = 1). Rows of 3, 1 and 2 tokens, advantages 1.5, -2, 0.5."""
+    logp, old, adv, mask = rows_of([[0.0, 0.0, 0.0], [0.0], [0.0, 0.0]], [1.5, -2.0, 0.5], old=-1.3)
+    norm = global_norm([mask], agg)
+    loss, met = loss_of(logp, old, adv, mask, loss=loss_name, clip_low=-1, clip_high=-1, agg=agg, norm=norm)
+    (grad,) = torch.autograd.grad(loss, logp)
+    lengths = torch.tensor([3.0, 1.0, 2.0])[:, None]
+    want = -adv[:, None] / norm * (1.0 if agg == "token-mean" else 1.0 / lengths) * mask
+    assert approx(grad, want), (loss_name, agg)
+    assert approx(met["ratio_max"], 1.0) and approx(met.get("clip_frac", 0.0), 0.0)
 
 
 def test_k3_cap_value():
@@ -209,8 +277,9 @@ def test_micro_batch_split_invariance_all_losses(loss_name, agg):
     rollout = old + 0.2 * torch.randn(B, T, generator=g)
     adv = torch.randn(B, generator=g)
     mask = torch.arange(T)[None] < torch.tensor([9, 1, 4, 0, 7, 2, 5])[:, None]
+    clip = dict(clip_low=0.2, clip_high=0.28) if LOSSES[loss_name].clip else {}
     for kind in KINDS:
-        kw = dict(loss=loss_name, clip_low=0.2, clip_high=0.28, kl_beta=0.05, agg=agg, max_len=T,
+        kw = dict(loss=loss_name, **clip, kl_beta=0.05, agg=agg, max_len=T,
                   rollout_is=RolloutIS(kind, cap=1.5, low=0.7, high=1.4, delta=0.3))
 
         def part_loss(rows, norm):
@@ -242,10 +311,12 @@ def test_masked_positions_holding_inf_or_nan(loss_name, bad):
     mask[0, 0] = False  # a masked position before the loss tokens (a prompt / tool output)
     base = {k: torch.randn(B, T, generator=g) - 1.0 for k in ("logp", "old", "ref", "rollout", "ent")}
     adv = torch.randn(B, generator=g)
+    spec = LOSSES[loss_name]
+    clip = dict(clip_low=0.2, clip_high=0.28) if spec.clip else {}
     for kind in KINDS:
         for agg in AGGS:
-            kw = dict(loss=loss_name, clip_low=0.2, clip_high=0.28, kl_beta=0.05, agg=agg, max_len=T,
-                      dual_clip_c=0.0 if loss_name == "cispo" else 3.0,
+            kw = dict(loss=loss_name, **clip, kl_beta=0.05, agg=agg, max_len=T,
+                      dual_clip_c=3.0 if spec.dual_clip else 0.0,
                       rollout_is=RolloutIS(kind, cap=1.5, low=0.7, high=1.4, delta=0.3))
             out = []
             for fill in (0.0, bad):

@@ -70,10 +70,10 @@ def test_presets_mean_the_papers_settings():
     g = cfg("gspo")
     assert (g.loss, g.loss_agg) == ("gspo", "seq-mean-token-mean")
     # clip < 0 = the loss's own default: GSPO's 3e-4/4e-4, CISPO's (1.0 = no lower bound, 0.28)
-    import grpo
-    assert grpo.DEFAULT_CLIP["gspo"] == (3e-4, 4e-4) and (g.clip_low, g.clip_high) == (-1.0, -1.0)
+    from trainer.losses import LOSSES
+    assert LOSSES["gspo"].clip == (3e-4, 4e-4) and (g.clip_low, g.clip_high) == (-1.0, -1.0)
     c = cfg("cispo")
-    assert c.loss == "cispo" and grpo.DEFAULT_CLIP["cispo"] == (1.0, 0.28)
+    assert c.loss == "cispo" and LOSSES["cispo"].clip == (1.0, 0.28)
     tis = cfg("skyrl-grpo+tis")
     assert (tis.rollout_is, tis.rollout_is_cap, tis.loss) == ("token-tis", 2.0, "grpo")
     for name in sweep.VARIANTS:  # every variant sets the same keys: a variant means the same on any base

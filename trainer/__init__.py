@@ -1,4 +1,5 @@
-"""The trainer's plumbing, used by train.py, sft.py and eval.py (it imports nothing from the top-level files).
+"""The trainer's plumbing, used by train.py, sft.py and eval.py (it imports nothing from the top-level files),
+and the two registries a fork adds a loss or a credit to (config.py reads their names, so they live here).
 
     policy_update.py      the update's plumbing: old/ref logprobs once, mini-batches, packed micro-batches, metric sums
     packing.py            a prompt and its G responses packed into padding-free rows; logprobs of loss tokens
@@ -10,6 +11,8 @@
     lora.py               LoRA adapters (merged for rollouts), saved in PEFT's format
     policy_sampler.py     the run's inference copy of the policy and its kept engine; the weight sync (refresh)
     rollout_correction.py sampler-vs-trainer logprob mismatch: metrics and importance corrections
+    losses.py             the policy losses: one registered per-token function per grpo.loss (grpo.policy_loss runs it)
+    credits.py            the credits: one registered returns function per grpo.credit (grpo.token_advantages)
     config_checks.py      every config value's range and the keys that must agree, checked before a run
     run_log.py            rank-0 prints, metrics.jsonl, wandb; seconds per phase of a step
     sample_log.py         sampled episodes to samples.jsonl and the wandb table `samples`

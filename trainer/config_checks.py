@@ -23,6 +23,8 @@ import string
 from pathlib import Path
 
 from trainer.config_loader import ConfigError, all_keys
+from trainer.credits import CREDITS
+from trainer.losses import LOSSES
 
 # -----------------------------------------------------------------------------
 # model.lora_targets
@@ -113,6 +115,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "grpo.ppo_epochs": (">= 1", ""),
     "grpo.mini_batches": (">= 1", ""),
     "grpo.lookup_bonus": (">= 0", "a per-turn reward for a lookup that shows a value the answer needs"),
+    "grpo.turn_discount": ("(0, 1]", "γ: turn k of K gets γ^(K-1-k) x the outcome; 1 = no discount"),
     "optim.lr": ("> 0", ""),
     "optim.weight_decay": (">= 0", ""),
     "optim.beta1": ("[0, 1)", ""),
@@ -206,6 +209,7 @@ def problems(cfg, world: int = 1) -> list[str]:
                    f"(each rank takes the same number of prompts): e.g. {max(world, g.prompts_per_step // world * world)}")
     if 0 < g.dual_clip_c <= 1:
         out.append(f"grpo.dual_clip_c must be 0 (off) or > 1, got {g.dual_clip_c}")
+    out += loss_problems(g) + credit_problems(g)
     if g.rollout_is_low >= g.rollout_is_high:
         out.append(f"grpo.rollout_is_low ({g.rollout_is_low}) must be below grpo.rollout_is_high ({g.rollout_is_high})")
     if s.kv_budget_tokens < s.max_context:
@@ -235,6 +239,43 @@ def problems(cfg, world: int = 1) -> list[str]:
             out.append(str(err))
     if cfg.wandb.mode != "disabled" and not cfg.wandb.project.strip():
         out.append(f"wandb.project must not be empty with wandb.mode={cfg.wandb.mode}")
+    return out
+
+
+def loss_problems(grpo_cfg) -> list[str]:
+    """grpo.loss's keys against its declaration (trainer/losses.py): a loss declared without a clip
+    ignores grpo.clip_low/clip_high, a loss without PPO-clip's min has nothing for dual-clip to cap."""
+    spec = LOSSES.get(grpo_cfg.loss)
+    if spec is None:  # config_loader already refuses a name that is not registered
+        return [f"grpo.loss must be one of {list(LOSSES)}, got {grpo_cfg.loss!r}"]
+    out = []
+    if spec.clip is None and (grpo_cfg.clip_low >= 0 or grpo_cfg.clip_high >= 0):
+        out.append(f"grpo.loss={spec.name} has no clip: grpo.clip_low ({grpo_cfg.clip_low}) and grpo.clip_high "
+                   f"({grpo_cfg.clip_high}) must stay < 0 (they would be ignored)")
+    if grpo_cfg.dual_clip_c > 0 and not spec.dual_clip:
+        out.append(f"grpo.dual_clip_c={grpo_cfg.dual_clip_c}: dual-clip caps a PPO-clip loss, and grpo.loss="
+                   f"{spec.name} has none; set it to 0")
+    return out
+
+
+def credit_problems(grpo_cfg) -> list[str]:
+    """grpo.credit against the keys each credit declares (trainer/credits.py). A credit key's
+    default is its off value (with it the credit is the outcome credit), so a key set while another
+    credit is picked, or a credit picked with every key off, would silently change nothing: the
+    lookup bonus used to be switched on by grpo.lookup_bonus > 0 alone, grpo.credit picks it now."""
+    if grpo_cfg.credit not in CREDITS:  # config_loader already refuses a name that is not registered
+        return [f"grpo.credit must be one of {list(CREDITS)}, got {grpo_cfg.credit!r}"]
+    defaults, out = type(grpo_cfg)(), []
+    for name, spec in CREDITS.items():
+        changed = [key for key in spec.keys if getattr(grpo_cfg, key) != getattr(defaults, key)]
+        if name != grpo_cfg.credit:
+            out += [f"grpo.{key}={getattr(grpo_cfg, key)} is read by the {name} credit only, and grpo.credit is "
+                    f"{grpo_cfg.credit}: pick it with grpo.credit={name} (or leave grpo.{key} at "
+                    f"{getattr(defaults, key)})" for key in changed]
+        elif spec.keys and not changed:
+            out.append(f"grpo.credit={name} reads " + ", ".join(f"grpo.{key}" for key in spec.keys) + ", left at "
+                       + ", ".join(str(getattr(defaults, key)) for key in spec.keys) + ": off, the outcome credit; "
+                       "set its size")
     return out
 
 
