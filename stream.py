@@ -184,7 +184,8 @@ class RolloutStream:
         recompute = in_flight and (engine.resets != self.engine_resets or (new_step and self.cfg.stream.recompute_kv))
         if not in_flight or recompute:
             worst = [worst_case(t, self.cfg.env, self.cfg.sampling) for t in in_flight + chunk.trajs]
-            engine.reset(self.stopper, worst_case=worst, greedy=False, logits_hook=None, cfg=self.cfg.sampling)
+            engine.reset(self.stopper, worst_case=worst, greedy=False, logits_hook=None, cfg=self.cfg.sampling,
+                         rows_in_place=self.k > 0)  # k >= 1: rows join and leave every step
             engine.readmit([t.seq for t in in_flight])
             self.engine_resets = engine.resets
         engine.version = self.step  # the weights the sampler holds: the trainer's at this step

@@ -74,11 +74,14 @@ class Engine:
         self.reset(stopper, worst_case=worst_case, greedy=greedy, logits_hook=logits_hook)
 
     def reset(self, stopper: StopChecker, *, worst_case: list[int], greedy: bool = False, logits_hook=None,
-              cfg=None) -> None:
+              cfg=None, rows_in_place: bool = False) -> None:
         """Start a new run (a rollout) on the same KV pool, runner and CUDA graphs: a fresh
         scheduler and block table (the pool's contents are stale and overwritten before they are
         read), the run's stop rules, greedy flag, logits hook and sampling config (cfg: default
-        the current; same block size), zeroed counters. A persistent
+        the current; same block size), zeroed counters; rows_in_place: the scheduler's (a leaving
+        row's place taken by the last row: fewer device moves for a batch that changes every step,
+        as a stream's does; the rows' order, and so the floats of a batched matmul, then differ
+        from the joining order's). A persistent
         engine (policy_sampler.py) calls it before every rollout; the weights it reads are the
         model's parameters in place, so graphs captured in an earlier run replay the new ones."""
         if cfg is not None:
@@ -92,7 +95,7 @@ class Engine:
                              f"{max(worst_case)} tokens: raise sampling.kv_budget_tokens")
         self.stopper = stopper
         self.blocks = BlockManager(n_blocks, bs)
-        self.scheduler = Scheduler(self.blocks, self.cfg.max_decode_rows, self.cfg.prefill_tokens)
+        self.scheduler = Scheduler(self.blocks, self.cfg.max_decode_rows, self.cfg.prefill_tokens, rows_in_place)
         self.runner.reset(stopper.candidates(self.model.config.vocab_size), greedy=greedy, logits_hook=logits_hook)
         self.version = getattr(self, "version", 0)  # the weights' version each sampled token records (kept across resets)
         self.resets = getattr(self, "resets", 0) + 1  # runs started on this pool: a caller sees whether another used it

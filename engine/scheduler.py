@@ -74,8 +74,11 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_rows: int = 0, prefill_tokens: int = 16384):
+    def __init__(self, blocks: BlockManager, max_rows: int = 0, prefill_tokens: int = 16384, rows_in_place: bool = False):
+        """rows_in_place: a row leaving the decode batch is replaced by the last one (one row moves
+        on the device instead of every row after it); False keeps the order rows joined in."""
         self.blocks = blocks
+        self.rows_in_place = rows_in_place
         self.max_rows = max_rows  # most sequences decoding at once (0: as many as blocks allow)
         self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (rows x longest)
         self.returning: deque[list[Sequence]] = deque()  # evicted or continuing: go first
@@ -109,12 +112,12 @@ class Scheduler:
             s.status = "waiting"
 
     def pause(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        self._leave(seq)
         seq.status = "paused"
 
     def finish(self, seq: Sequence) -> None:
         if seq.status == "running":
-            self.running.remove(seq)
+            self._leave(seq)
         self.blocks.release(seq.block_table)
         self.holders.pop(seq, None)
         seq.num_cached, seq.status = 0, "done"
@@ -126,10 +129,18 @@ class Scheduler:
         seq.num_cached = 0
         self.evictions += 1
         if seq.status == "running":
-            self.running.remove(seq)
+            self._leave(seq)
             seq.status = "waiting"
             self.returning.appendleft([seq])
         # waiting: stays queued (now with all its ids pending); paused: recomputed when continued
+
+    def _leave(self, seq: Sequence) -> None:
+        if not self.rows_in_place:
+            self.running.remove(seq)
+            return
+        i, last = self.running.index(seq), self.running.pop()
+        if last is not seq:
+            self.running[i] = last
 
     # -------------------------------------------------------------------------
     # the next forward
