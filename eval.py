@@ -95,22 +95,22 @@ def evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step: int, pr
     episodes = sample_episodes(sampler, tok, mine, cfg, n=1, seed=cfg.train.seed + 10_000, greedy=T == 0,
                                sampling=sampling)
     seconds = time.time() - t0
-    m = reduce_summary(summarise(episodes), device)
-    m = {f"{prefix}/{k}": v for k, v in m.items()}
+    metrics = {f"{prefix}/{k}": v for k, v in reduce_summary(summarise(episodes), device).items()}
     # error recovery (eval.py generate's rule): episodes whose first query failed or returned no
     # rows, and of those the ones that still ended right; counts summed over ranks
     bad = [env.first_query_bad(e.trajectory.steps) for e in episodes]
     n_bad, n_rec = all_sum([sum(bad), sum(b and bool(e.reward.exec_match) for b, e in zip(bad, episodes))], device)
-    m.update({f"{prefix}/first_query_bad": n_bad, f"{prefix}/recovered": n_rec})
+    metrics.update({f"{prefix}/first_query_bad": n_bad, f"{prefix}/recovered": n_rec})
     if n_bad:
-        m[f"{prefix}/recovery_rate"] = n_rec / n_bad
-    log.metrics(step, m)
-    log.print(f"[{prefix} @ step {step}] EX {100 * m[prefix + '/ex']:.1f}%  reward {m[prefix + '/reward']:.3f}  "
-              f"format-err {100 * m[prefix + '/format_err']:.1f}%  turns {m[prefix + '/turns']:.2f}  "
-              f"tool-calls {m[prefix + '/tool_calls']:.2f}  truncated {100 * m[prefix + '/truncated']:.1f}%  "
+        metrics[f"{prefix}/recovery_rate"] = n_rec / n_bad
+    log.metrics(step, metrics)
+    at = {k.split("/", 1)[1]: v for k, v in metrics.items()}  # the keys without the prefix
+    log.print(f"[{prefix} @ step {step}] EX {100 * at['ex']:.1f}%  reward {at['reward']:.3f}  "
+              f"format-err {100 * at['format_err']:.1f}%  turns {at['turns']:.2f}  "
+              f"tool-calls {at['tool_calls']:.2f}  truncated {100 * at['truncated']:.1f}%  "
               f"first query empty/failed {n_bad:.0f}, "
               f"recovered {n_rec:.0f}  ({len(eval_ex)} examples, {seconds:.1f}s)")
-    return m
+    return metrics
 
 
 # -----------------------------------------------------------------------------

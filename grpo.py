@@ -27,6 +27,22 @@ Padding a rank with an all-masked micro-batch is safe: its loss is 0 and it adds
 The contract holds for every loss variant and rollout correction: GSPO's sequence ratio and the
 sequence-level corrections reduce over a row (one sequence per row), and a dropped token keeps
 its place in `norm` (its loss is multiplied by 0). tests/test_grpo_losses.py checks each.
+
+Three policies under streaming (stream.sampling_steps_ahead k >= 1; decoupled PPO, as AReaL's loss).
+A trained token may have been sampled by weights up to k steps older than the trainer's (each token
+records them: Trajectory.versions), and an episode can span several versions. Per token:
+  - the behaviour policy π_b is what sampled it: LossInputs.sampler_logprobs, the sampler's own
+    logprob recorded at sampling time (any version, plus the sampler/trainer float mismatch);
+  - the proximal policy π_prox anchors the trust region: LossInputs.old_logprobs, the trainer's
+    current weights before this batch's update (recomputed by a forward with several optimizer
+    steps per batch, else logprobs.detach());
+  - π_θ is being trained: LossInputs.logprobs.
+The clip acts on r = π_θ/π_prox and the rollout correction's weight is π_prox/π_b
+(rollout_correction.is_weights(old, sampler)): token-tis caps it, token-mis masks it, so
+`-(π_prox/π_b) · min(r·A, clip(r)·A)` is AReaL's decoupled loss with a capped behaviour weight. With
+k = 0 the two differ only by the sampler's floats; with k >= 1 also by the steps between them, and
+the mismatch metrics (`mismatch_*`) grow with the staleness: grpo.rollout_is != none is what
+corrects for it (none trains as if π_b were π_prox).
 """
 from __future__ import annotations
 

@@ -244,8 +244,10 @@ class RolloutStream:
         steps, rows, episodes, age_sum, stale, tokens = all_sum(
             [self.decode_steps, self.live_row_steps, len(trained), sum(ages), sum(a > 0 for a in ages), len(ages)],
             device)
-        return {"live_row_share": rows / max(steps * self.rows, 1), "decode_steps_per_episode": steps / max(episodes, 1),
-                "staleness_mean": age_sum / max(tokens, 1), "staleness_max": float(all_max(max(ages, default=0), device)),
+        return {"live_row_share": rows / max(steps * self.rows, 1),
+                "decode_steps_per_episode": steps / max(episodes, 1),
+                "staleness_mean": age_sum / max(tokens, 1),
+                "staleness_max": float(all_max(max(ages, default=0), device)),
                 "stale_token_frac": stale / max(tokens, 1)}
 
     # -------------------------------------------------------------------------

@@ -108,15 +108,17 @@ def collect(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list[Epi
     verdicts, are all equal carry no signal). Rounds repeat, at most grpo.max_resample_rounds more,
     until prompts_per_step groups are kept over all ranks; kept is cut to this rank's share, seen
     holds every sampled episode (the step's metrics are over them)."""
-    g = run.cfg.grpo
-    G, P, share = g.group_size, g.prompts_per_step, g.prompts_per_step // run.world * g.group_size
+    grpo_cfg = run.cfg.grpo
+    G, P = grpo_cfg.group_size, grpo_cfg.prompts_per_step
+    share = P // run.world * G  # this rank's episodes a step
     kept, seen = [], []
-    for rnd in range(1 + (g.max_resample_rounds if g.dynamic_sampling else 0)):
+    for _ in range(1 + (grpo_cfg.max_resample_rounds if grpo_cfg.dynamic_sampling else 0)):
         episodes = stream.next_round(step, phase, first_group=len(seen) // G)
         seen += episodes
-        keep = grpo.keep_mask(episodes, G, g.dynamic_sampling_metric) if g.dynamic_sampling else [True] * len(episodes)
-        kept += [e for e, k in zip(episodes, keep) if k]
-        if not g.dynamic_sampling or all_sum([min(len(kept), share)], run.device)[0] >= P * G:
+        keep = grpo.keep_mask(episodes, G, grpo_cfg.dynamic_sampling_metric) if grpo_cfg.dynamic_sampling \
+            else [True] * len(episodes)
+        kept += [e for e, keep_it in zip(episodes, keep) if keep_it]
+        if not grpo_cfg.dynamic_sampling or all_sum([min(len(kept), share)], run.device)[0] >= P * G:
             break
     return kept[:share], seen
 
@@ -131,28 +133,28 @@ def grpo_step(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list, 
     flight continue on the new weights). Returns (kept, seen, metrics): the episodes trained on and
     sampled (this rank's), and the update's metrics (token-weighted loss metrics, grad norms,
     kept_frac) with the stream's (stream.step_metrics: the tail, the staleness of the trained tokens)."""
-    g = run.cfg.grpo
+    grpo_cfg = run.cfg.grpo
     kept, seen = collect(run, stream, step, phase)  # sample, reward, keep mask
     n_kept, n_seen = all_sum([len(kept), len(seen)], run.device)
-    m, n_trained, trajs = {}, 0, []
+    metrics, n_trained, trajs = {}, 0, []
     if n_kept > 0:
         with phase("credit"):
-            advantages = grpo.token_advantages(kept, g)  # the credit: (n_loss_tokens,) per episode
-            trajs, advantages = grpo.loss_episodes(kept, advantages, g)  # grpo.mask_truncated drops truncated ones
+            advantages = grpo.token_advantages(kept, grpo_cfg)  # the credit: (n_loss_tokens,) per episode
+            trajs, advantages = grpo.loss_episodes(kept, advantages, grpo_cfg)  # mask_truncated drops truncated ones
         n_trained = all_sum([len(trajs)], run.device)[0]
     if n_trained > 0:  # every rank joins the update (FSDP collectives), even one with no episode to train
         with phase("update"):
-            m = update(run, trajs, advantages)
+            metrics = update(run, trajs, advantages)
     else:  # all groups had equal rewards (or every kept episode was masked): nothing to learn from, not an error
         why = "every kept episode was truncated (grpo.mask_truncated)" if n_kept else "every group had equal rewards"
         run.log.print(f"step {step + 1}: {why}: no update")
-    if any(math.isfinite(x) for x in m.pop("grad_norms", [])):  # the weights changed
+    if any(math.isfinite(x) for x in metrics.pop("grad_norms", [])):  # the weights changed
         with phase("sync"):
             run.sampler.refresh(run.model)  # weight sync: the next rollout and eval sample the new policy
-    m["kept_frac"] = n_kept / max(n_seen, 1)
-    m["masked_frac"] = (n_kept - n_trained) / max(n_kept, 1)  # kept episodes left out of the loss (mask_truncated)
-    m.update(stream.step_metrics(trajs, step, run.device))  # the tail, the trained tokens' staleness
-    return kept, seen, m
+    metrics["kept_frac"] = n_kept / max(n_seen, 1)
+    metrics["masked_frac"] = (n_kept - n_trained) / max(n_kept, 1)  # kept, left out of the loss (mask_truncated)
+    metrics.update(stream.step_metrics(trajs, step, run.device))  # the tail, the trained tokens' staleness
+    return kept, seen, metrics
 
 
 def update(run: Run, trajs: list, advantages: list[torch.Tensor]) -> dict:
@@ -160,15 +162,15 @@ def update(run: Run, trajs: list, advantages: list[torch.Tensor]) -> dict:
     grpo.mini_batches slices) each micro-batch's packed forward, its LossInputs, grpo.policy_loss,
     backward (float16: of the loss times run.scaler's scale), and one optimizer step. advantages[i]:
     trajectory i's, one per loss token. Returns the update's metrics (policy_update.UpdateMetrics.summary)."""
-    cfg, g, model = run.cfg, run.cfg.grpo, run.model
+    cfg, grpo_cfg, model = run.cfg, run.cfg.grpo, run.model
     tokens = policy_update.batch_tokens(model, run.ref_model, trajs, advantages, cfg, run.device)  # per sequence
     metrics = policy_update.UpdateMetrics()
-    for idx in policy_update.mini_batches(len(trajs), g):
-        norm = grpo.global_norm(policy_update.loss_masks(trajs, idx), g.loss_agg)  # over every rank: a collective
+    for idx in policy_update.mini_batches(len(trajs), grpo_cfg):
+        norm = grpo.global_norm(policy_update.loss_masks(trajs, idx), grpo_cfg.loss_agg)  # every rank: a collective
         for mb in policy_update.micro_batches(model, trajs, idx, cfg, run.device):  # packed, dropout on
             logprobs, entropy = packing.forward(model, mb, run.device, cfg.sampling.temperature)  # (N,) loss tokens
             inputs = grpo.loss_inputs(logprobs, entropy, mb, idx, tokens)  # (B, T) each
-            loss, loss_metrics = grpo.policy_loss(inputs, norm, g, cfg.sampling.max_context)
+            loss, loss_metrics = grpo.policy_loss(inputs, norm, grpo_cfg, cfg.sampling.max_context)
             # FSDP2 averages gradients over ranks: x world makes it the sum; float16: x the loss scale too
             run.scaler.scale(loss * run.world).backward()
             metrics.add(loss_metrics, inputs.mask)
@@ -256,13 +258,13 @@ def main():
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor: global count
     log.print(f"model: {param_count(model) / 1e6:.2f}M params, {trainable / 1e6:.3f}M trainable, world {world}, "
               f"device {device.type}, fp32 masters, {cfg.model.dtype} compute")
-    o = cfg.optim
-    optimizer, scheduler = optim.make_optimizer(model, o, o.lr, o.warmup_steps,
+    optim_cfg = cfg.optim
+    optimizer, scheduler = optim.make_optimizer(model, optim_cfg, optim_cfg.lr, optim_cfg.warmup_steps,
                                           cfg.train.steps * cfg.grpo.ppo_epochs * cfg.grpo.mini_batches)
     # the sampler: an inference copy of the policy in the compute dtype and one engine, kept for the run
     sampler = PolicySampler(model, cfg.sampling, dtype=compute_dtype(cfg))
     # float16: dynamic loss scaling, one scaler from the warm start through GRPO (inactive otherwise)
-    scaler = LossScaler(o, compute_dtype(cfg), warn=log.print)
+    scaler = LossScaler(optim_cfg, compute_dtype(cfg), warn=log.print)
     if cfg.model.dtype != "float32":
         log.print(f"{cfg.model.dtype}: trainer forward/backward, KL reference and sampler (weights, KV cache); fp32: "
                   "master weights, reduced gradients, AdamW, logits' log-softmax" +
@@ -278,9 +280,9 @@ def main():
         scaler.load_state_dict(extra.get("loss_scale"))
         log.rewind(extra.get("log_sizes"))  # what was logged after the checkpoint is logged again
         # the config's lr wins over the saved one (a no-op when unchanged: resume stays exact)
-        scheduler.base_lrs = [o.lr for _ in optimizer.param_groups]
-        for grp, f in zip(optimizer.param_groups, scheduler.lr_lambdas):
-            grp["initial_lr"], grp["lr"] = o.lr, o.lr * f(scheduler.last_epoch)
+        scheduler.base_lrs = [optim_cfg.lr for _ in optimizer.param_groups]
+        for group, lr_at in zip(optimizer.param_groups, scheduler.lr_lambdas):
+            group["initial_lr"], group["lr"] = optim_cfg.lr, optim_cfg.lr * lr_at(scheduler.last_epoch)
         log.print(f"resumed from {ck} at step {step}")
     else:
         if cfg.sft.steps > 0 and not use_lora:  # syncs the sampler before each of its evals; saves as it goes
@@ -312,34 +314,35 @@ def main():
     phase = Phases(PeakMemory(device))  # seconds per phase (time/*) and, on CUDA, peak GB (mem/*_peak_gb)
     while step < cfg.train.steps:
         t0 = time.time()
-        kept, seen, m = grpo_step(run, stream, step, phase)  # sample, reward, credit, update, sync
+        kept, seen, step_metrics = grpo_step(run, stream, step, phase)  # sample, reward, credit, update, sync
         step += 1
 
         # log / eval / save
-        bad = bad + 1 if m.get("skipped", 0) else 0
-        s = reduce_summary(summarise(seen), device)  # all sampled episodes, not only kept
+        bad = bad + 1 if step_metrics.get("skipped", 0) else 0
+        summary = reduce_summary(summarise(seen), device)  # all sampled episodes, not only kept
         n_seen, n_trained = all_sum([len(seen), sum(len(e.trajectory.ids) for e in kept)], device)
-        t = phase.pop()
-        tok_s = s["resp_tokens"] * n_seen / max(t["rollout"], 1e-9) / world
-        for key, v in (("sampled", s["resp_tokens"] * n_seen), ("rollout_s", t["rollout"]), ("trained", n_trained),
-                       ("update_s", t.get("update", 0.0))):
+        seconds = phase.pop()
+        tok_s = summary["resp_tokens"] * n_seen / max(seconds["rollout"], 1e-9) / world
+        for key, v in (("sampled", summary["resp_tokens"] * n_seen), ("rollout_s", seconds["rollout"]),
+                       ("trained", n_trained), ("update_s", seconds.get("update", 0.0))):
             speed[key] += v
         dt = time.time() - t0
         eta = (time.time() - t_start) / (step - first_step) * (cfg.train.steps - step)
-        metrics = {**{f"train/{k}": v for k, v in s.items()}, **{f"train/{k}": v for k, v in m.items()},
-                   **{f"time/{k}": v for k, v in t.items()}, "time/step": dt,
-                   "train/tokens_per_s": tok_s, "train/lr": scheduler.get_last_lr()[0], **phase.mem.metrics(),
-                   **{f"train/{k}": v for k, v in scaler.metrics().items()}}  # float16: scale, cumulative skips
+        logged = {**{f"train/{k}": v for k, v in summary.items()}, **{f"train/{k}": v for k, v in step_metrics.items()},
+                  **{f"time/{k}": v for k, v in seconds.items()}, "time/step": dt,
+                  "train/tokens_per_s": tok_s, "train/lr": scheduler.get_last_lr()[0], **phase.mem.metrics(),
+                  **{f"train/{k}": v for k, v in scaler.metrics().items()}}  # float16: scale, cumulative skips
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-            log.metrics(step, metrics)
-            log.print(f"step {step}/{cfg.train.steps} | reward {s['reward']:+.3f} EX {100 * s['ex']:.1f}% "
-                      f"fmt-err {100 * s['format_err']:.1f}% trunc {100 * s['truncated']:.1f}% turns {s['turns']:.2f} "
-                      f"tools {s['tool_calls']:.2f} | "
-                      f"clip {m.get('clip_frac', 0):.3f} gnorm {m.get('grad_norm', 0):.3f} | "
+            log.metrics(step, logged)
+            log.print(f"step {step}/{cfg.train.steps} | reward {summary['reward']:+.3f} EX {100 * summary['ex']:.1f}% "
+                      f"fmt-err {100 * summary['format_err']:.1f}% trunc {100 * summary['truncated']:.1f}% "
+                      f"turns {summary['turns']:.2f} tools {summary['tool_calls']:.2f} | "
+                      f"clip {step_metrics.get('clip_frac', 0):.3f} gnorm {step_metrics.get('grad_norm', 0):.3f} | "
                       + (f"scale {scaler.scale_value:g} skips {scaler.overflow_skips} | " if scaler.active else "")
-                      + f"{tok_s:.0f} tok/s | "
-                      f"rollout {t['rollout']:.1f}s reward {t['reward']:.1f}s update {t.get('update', 0.0):.1f}s | "
-                      f"ETA {eta / 60:.1f} min")
+                      + f"{tok_s:.0f} tok/s live {step_metrics['live_row_share']:.2f}"
+                      + (f" stale {step_metrics['staleness_mean']:.2f}" if cfg.stream.sampling_steps_ahead else "")
+                      + f" | rollout {seconds['rollout']:.1f}s reward {seconds['reward']:.1f}s "
+                      f"update {seconds.get('update', 0.0):.1f}s | ETA {eta / 60:.1f} min")
         if cfg.train.sample_every and step % cfg.train.sample_every == 0:
             log.samples(step, seen, tok, cfg.grpo.group_size, cfg.train.sample_rows)  # printed, samples.jsonl, wandb
         if bad:

@@ -39,6 +39,8 @@ from model import Transformer  # noqa: E402
 import sft  # noqa: E402
 from trainer.run_log import Log, Phases  # noqa: E402
 from trainer.policy_sampler import PolicySampler  # noqa: E402
+from trainer.loss_scale import LossScaler  # noqa: E402
+from stream import RolloutStream  # noqa: E402
 
 
 def main():
@@ -70,8 +72,9 @@ def main():
     opt, sch = optim.make_optimizer(model, o, o.lr, o.warmup_steps, a.steps)
     sampler = PolicySampler(model, cfg.sampling)
     sampler.refresh(model)  # the weights GRPO starts from (train.main syncs once before its loop)
-    run = train.Run(model, None, sampler, opt, sch, tok, cfg, Log(cfg, rank=1), rank=0, world=1, device=cpu)
-    stream = train.PromptStream(len(exs), cfg.train.seed)
+    run = train.Run(model, None, sampler, opt, sch, LossScaler(o, torch.float32), tok, cfg, Log(cfg, rank=1), rank=0,
+                    world=1, device=cpu)
+    stream = RolloutStream(sampler, tok, exs, cfg, 0, 1)  # the run's prompt order (stream.sampling_steps_ahead: the config's)
     print(f"{os.path.basename(a.config)}: {P} prompts x {G} samples, max_turns {cfg.env.max_turns}, max_new_tokens "
           f"{cfg.sampling.max_new_tokens}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
           f"1 process, {a.threads} threads, dynamic sampling {'on' if cfg.grpo.dynamic_sampling else 'off'}")
@@ -79,7 +82,7 @@ def main():
     for step in range(a.steps):
         phase = Phases(PeakMemory(cpu))
         t0 = time.time()
-        kept, seen, _ = train.grpo_step(run, exs, stream, step, phase)  # the step train.main runs
+        kept, seen, _ = train.grpo_step(run, stream, step, phase)  # the step train.main runs
         total = time.time() - t0
         t = phase.pop()
         t_roll, t_rew, t_upd = t.get("rollout", 0.0), t.get("reward", 0.0), t.get("update", 0.0) + t.get("sync", 0.0)
@@ -89,6 +92,7 @@ def main():
               f"{t_roll:.1f}s + reward {t_rew:.2f}s + update and sync {t_upd:.1f}s | {s['resp_tokens']} sampled "
               f"tokens ({s['resp_tokens'] / max(t_roll, 1e-9):.0f}/s), turns {s['turns'] / s['n']:.2f}, "
               f"reward {s['reward'] / s['n']:+.2f}, {len(kept)} episodes trained", flush=True)
+    stream.close()
     timed = rows[1:] or rows
     med = [statistics.median(r[i] for r in timed) for i in range(4)]
     print(f"median of {len(timed)} step(s): rollout {med[0]:.1f}s ({100 * med[0] / med[3]:.0f}%), reward "

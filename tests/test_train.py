@@ -523,6 +523,20 @@ def test_kill_and_resume_is_exact(tmp_path):
     assert_resumed_steps_learn_alike(tmp_path / "straight", tmp_path / "killed", (3, 4))
 
 
+def test_kill_and_resume_with_episodes_in_flight_is_exact(tmp_path):
+    """stream.sampling_steps_ahead 1: the step-2 checkpoint holds episodes in flight (sampled tokens
+    of the next steps' chunks, tool calls pending); killed and resumed, the run loses none and trains
+    none twice. With stream.recompute_kv the straight run recomputes the KV of its episodes in flight
+    at every step, as a resume does, so the two are the same run: identical weights and metrics."""
+    args = learning_args(tmp_path) + ["--train.steps=4", "--train.save_every=1", "--train.keep_checkpoints=10",
+                                      "--stream.sampling_steps_ahead=1", "--stream.recompute_kv=true"]
+    kill_after_step_2_and_resume(args, tmp_path)
+    assert_resumed_steps_learn_alike(tmp_path / "straight", tmp_path / "killed", (3, 4))
+    extra = torch.load(tmp_path / "killed" / "ckpt_000002" / "trainer.pt", weights_only=True)["extra"]
+    in_flight = [e for c in extra["stream"][0]["chunks"] for e in c["episodes"] if e["seq"]["status"] != "new"]
+    assert any(len(e["seq"]["ids"]) > e["prompt_len"] for e in in_flight)  # sampled ahead, saved, resumed
+
+
 # -----------------------------------------------------------------------------
 # train.main's loop with a scripted sampler: what the keep mask passes to the update, and when the
 # weights are synced to the sampler

@@ -47,8 +47,10 @@ class RolloutIS:
         assert self.cap > 0 and 0 <= self.low <= self.high and self.delta > 0, self
 
     @classmethod
-    def from_config(cls, g) -> "RolloutIS":
-        return cls(g.rollout_is, g.rollout_is_cap, g.rollout_is_low, g.rollout_is_high, g.rollout_is_delta)
+    def from_config(cls, grpo_cfg) -> "RolloutIS":
+        """grpo_cfg: config.GRPOConfig (its rollout_is* keys)."""
+        return cls(grpo_cfg.rollout_is, grpo_cfg.rollout_is_cap, grpo_cfg.rollout_is_low, grpo_cfg.rollout_is_high,
+                   grpo_cfg.rollout_is_delta)
 
 
 # -----------------------------------------------------------------------------
@@ -83,14 +85,14 @@ def mismatch_metrics(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
     mismatch_kl: k3 estimate of KL(π_rollout‖π_old) from the sampled tokens, r - 1 - log r
         with r = π_old/π_rollout (≥ 0, unbiased since the tokens were drawn from π_rollout);
     mismatch_frac: share of tokens with |Δ| > tol."""
-    m = mask.bool()
-    n = m.sum().clamp(min=1)
-    d = _log_ratio(old_logp, rollout_logp, m)
-    a = d.abs()
-    return {"mismatch_abs_mean": a.sum() / n,
-            "mismatch_abs_max": a.max() if a.numel() else a.new_zeros(()),
-            "mismatch_kl": torch.where(m, torch.exp(d) - 1.0 - d, torch.zeros_like(d)).sum() / n,
-            "mismatch_frac": (m & (a > tol)).sum() / n}
+    on = mask.bool()
+    n = on.sum().clamp(min=1)
+    log_r = _log_ratio(old_logp, rollout_logp, on)
+    gap = log_r.abs()
+    return {"mismatch_abs_mean": gap.sum() / n,
+            "mismatch_abs_max": gap.max() if gap.numel() else gap.new_zeros(()),
+            "mismatch_kl": torch.where(on, torch.exp(log_r) - 1.0 - log_r, torch.zeros_like(log_r)).sum() / n,
+            "mismatch_frac": (on & (gap > tol)).sum() / n}
 
 
 @torch.no_grad()
@@ -99,27 +101,28 @@ def is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
     """(B, T) constant weights for the per-token policy-gradient loss, and metrics
     (is_weight_mean over the masked tokens; is_drop_frac for the masked kinds, is_cap_frac for the
     truncated ones: the share of masked tokens dropped or capped)."""
-    m = mask.bool()
-    d = _log_ratio(old_logp, rollout_logp, m)  # (B, T)
+    on = mask.bool()
+    log_r = _log_ratio(old_logp, rollout_logp, on)  # (B, T)
     if cfg.kind == "none":
-        w = torch.ones_like(d)
+        weights = torch.ones_like(log_r)
     elif cfg.kind in ("token-tis", "token-mis"):
-        r = torch.exp(d)
-        w = r.clamp(max=cfg.cap) if cfg.kind == "token-tis" else ((r >= cfg.low) & (r <= cfg.high)).float()
+        ratio = torch.exp(log_r)
+        weights = ratio.clamp(max=cfg.cap) if cfg.kind == "token-tis" else \
+            ((ratio >= cfg.low) & (ratio <= cfg.high)).float()
     else:
         if cfg.kind == "geo-mask":
-            r = torch.exp(seq_mean(d, m))  # (B,) geometric mean of the token ratios
-            keep = (r >= 1.0 - cfg.delta) & (r <= 1.0 + cfg.delta)
+            ratio = torch.exp(seq_mean(log_r, on))  # (B,) geometric mean of the token ratios
+            keep = (ratio >= 1.0 - cfg.delta) & (ratio <= 1.0 + cfg.delta)
         else:  # the sequence ratio Π_t r_t, in log space, clamped before exp
-            r = torch.exp(seq_sum(d, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-            keep = (r >= cfg.low) & (r <= cfg.high)
-        w_seq = r.clamp(max=cfg.cap) if cfg.kind == "seq-tis" else keep.float()
-        w = w_seq[:, None].expand_as(d)
-    w = torch.where(m, w, torch.zeros_like(w))
-    n = m.sum().clamp(min=1)
-    metrics = {"is_weight_mean": w.sum() / n}
+            ratio = torch.exp(seq_sum(log_r, on).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+            keep = (ratio >= cfg.low) & (ratio <= cfg.high)
+        seq_weights = ratio.clamp(max=cfg.cap) if cfg.kind == "seq-tis" else keep.float()  # (B,)
+        weights = seq_weights[:, None].expand_as(log_r)
+    weights = torch.where(on, weights, torch.zeros_like(weights))
+    n = on.sum().clamp(min=1)
+    metrics = {"is_weight_mean": weights.sum() / n}
     if cfg.kind.endswith("tis"):
-        metrics["is_cap_frac"] = (m & (w >= cfg.cap)).sum() / n
+        metrics["is_cap_frac"] = (on & (weights >= cfg.cap)).sum() / n
     elif cfg.kind != "none":
-        metrics["is_drop_frac"] = (m & (w == 0)).sum() / n
-    return w, metrics
+        metrics["is_drop_frac"] = (on & (weights == 0)).sum() / n
+    return weights, metrics
