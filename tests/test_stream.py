@@ -98,6 +98,31 @@ def in_flight(stream):
     return {t.seq.index: t for t, _ in stream.loop.open.values()}
 
 
+@pytest.fixture
+def one_straggler_per_chunk(monkeypatch):
+    """Every engine run the stream starts gets a logits hook: each episode but the last of its chunk
+    closes its message (EOS) at its first token, the last one samples on (a straggler of 2 turns of
+    10 tokens). So while a round waits for its chunk's straggler, rows free up at once and the
+    window rule alone decides what starts: the staleness bound is tested at its edge."""
+    from engine.engine import Engine
+    reset = Engine.reset
+
+    def with_hook(engine, stopper, *, logits_hook=None, **kw):
+        if not stopper.eos:  # the sampler's own first reset (no run yet)
+            return reset(engine, stopper, logits_hook=logits_hook, **kw)
+        eos = min(stopper.eos)
+
+        def hook(logits, seqs):
+            for b, seq in enumerate(seqs):
+                if seq.index % 8 != 7:  # 4 prompts x 2 samples a chunk: sequence 8c + 7 straggles
+                    logits[b] = float("-inf")
+                    logits[b, hook.eos] = 0.0
+            return logits
+        hook.eos = eos
+        return reset(engine, stopper, logits_hook=logits_hook or hook, **kw)
+    monkeypatch.setattr(Engine, "reset", with_hook)
+
+
 # -----------------------------------------------------------------------------
 # k = 0: the synchronous step
 
@@ -135,8 +160,8 @@ def test_k0_steps_equal_rollout_then_reward_rounds(assets, monkeypatch):
 
 
 @pytest.mark.parametrize("ahead", [1, 2])
-def test_no_trained_token_is_older_than_k_steps(assets, ahead):
-    cfg = config(assets, stream__sampling_steps_ahead=ahead)
+def test_no_trained_token_is_older_than_k_steps(assets, ahead, one_straggler_per_chunk):
+    cfg = config(assets, stream__sampling_steps_ahead=ahead, sampling__max_decode_rows=0)
     run, stream, _ = make_run(cfg)
     ages = []
 
