@@ -255,10 +255,17 @@ def test_every_chunk_is_trained_once_in_order_with_refills(assets, monkeypatch):
 def test_a_restored_stream_trains_what_the_uninterrupted_one_trains(assets):
     """Saved after step 2 (plain data, through torch.save/load with weights_only) and restored into a
     new stream on the same weights: the episodes in flight come back with their ids, logprobs and
-    versions; the next steps train the same prompts, every episode once."""
-    cfg = config(assets, stream__sampling_steps_ahead=1)
+    versions, and the tool calls in flight run again; the next steps train the same prompts, every
+    episode once. The save is taken a few loop iterations into the next round's work, once a tool
+    batch is in flight (due 30 engine steps after its turns ended)."""
+    cfg = config(assets, stream__sampling_steps_ahead=1, env__tool_overlap_steps=30)
     run, stream, _ = make_run(cfg)
     steps(run, stream, 2)
+    for _ in range(200):  # the loop goes on as the next round would, until a tool batch is in flight
+        if stream.loop.tools.pending:
+            break
+        stream._advance()
+    assert stream.state_dict()["tools"]  # tool calls in flight at the save
     buf = io.BytesIO()
     torch.save({"stream": [stream.state_dict()]}, buf)
     buf.seek(0)
