@@ -99,6 +99,9 @@ class Chunk:
 
 
 class RolloutStream:
+    """This rank's stream: the prompt order, the chunks made and not yet trained, and one episode
+    loop on the sampler's engine, kept across steps (module docstring)."""
+
     def __init__(self, sampler, tokenizer, examples: list[dict], cfg, rank: int, world: int, cursor: int = 0):
         """sampler: trainer.policy_sampler's (its engine is the stream's); examples: the training
         records; cursor: the prompt order's position (a checkpoint's)."""
@@ -165,7 +168,8 @@ class RolloutStream:
         prompts = self.order.take(self.chunk_prompts)[self.rank::self.world]
         examples = [self.examples[i] for i in prompts]
         cfg = self.cfg
-        # the synchronous step's seed for its step's round 0, with the chunk's index for the step's
+        # chunk c's seed is the synchronous loop's for step c's first round (chunk c is step c's when no
+        # step took refill rounds): the same keys, so the same samples, as the step always had
         seed = (cfg.train.seed * 1_000_003 + index * 1009 + self.rank) % (2 ** 31)
         trajs, dbs = start_episodes(self.tokenizer, examples, cfg.env, cfg.data, cfg.data.db_root,
                                     n=self.group_size, seed=seed, first=self.next_seq)
