@@ -3,6 +3,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -43,6 +45,13 @@ def build_tiny_assets(d: Path) -> list[str]:
                 "model.tiny_vocab_size=512"]
     tiny.prepare_assets(C.load_config(["--" + a for a in settings]), Transformer, sft.gold_texts)
     return settings
+
+
+@pytest.fixture(scope="session")
+def loop_assets(tmp_path_factory) -> list[str]:
+    """The toy set and a tiny model, built once for the session: the `--group.key=value` arguments
+    that point a run at them (tests/test_train.py's run_scripted_loop and its callers)."""
+    return ["--" + a for a in build_tiny_assets(tmp_path_factory.mktemp("loop"))]
 
 
 def loss_of(logp, old, adv, mask, *, norm, ref_logp=None, rollout_logp=None, entropy=None, turns=None,

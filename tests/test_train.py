@@ -23,7 +23,7 @@ from trainer import run_log
 import sft
 from toy import tiny
 import train
-from conftest import ROOT, build_tiny_assets, grpo_update, torchrun_env
+from conftest import ROOT, grpo_update, torchrun_env
 from model import Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -527,11 +527,6 @@ def test_kill_and_resume_is_exact(tmp_path):
 # weights are synced to the sampler
 
 
-@pytest.fixture(scope="module")
-def loop_assets(tmp_path_factory):
-    return ["--" + a for a in build_tiny_assets(tmp_path_factory.mktemp("loop"))]
-
-
 def weights(model) -> dict:
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for n, p in model.named_parameters()}
@@ -568,17 +563,18 @@ class ScriptedSampler:
         return trajs
 
 
-def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *args):
+def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *args, step_optimizer=None):
     """train.main with the scripted sampler; the update records the episodes and advantages it is
     given (train.update, per mini-batch); optim.step_optimizer returns the next of
-    `grad_norms` and, when finite, moves every weight (a skipped step moves none). Returns (the
-    sampler, [(tags, advantages) per update])."""
+    `grad_norms` and, when finite, moves every weight (a skipped step moves none), or is
+    `step_optimizer` when given. assets: conftest's loop_assets. Returns (the sampler, [(tags,
+    advantages) per update])."""
     from reward import Reward
     from trainer import policy_update
     ScriptedSampler.made, ScriptedSampler.reward_of = [], staticmethod(reward_of)
     updates, norms = [], iter(grad_norms)
 
-    def step_optimizer(model, opt, sch, cfg, scaler=None):
+    def next_norm(model, opt, sch, cfg, scaler=None):
         g = next(norms)
         if math.isfinite(g):
             with torch.no_grad():
@@ -598,7 +594,7 @@ def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *arg
                         given.update(advantages=advantages))
     monkeypatch.setattr(policy_update, "micro_batches", lambda model, trajs, idx, cfg, device: iter(updates.append(
         ([trajs[i].tag for i in idx], [float(given["advantages"][i][0]) for i in idx])) or ()))
-    monkeypatch.setattr(optim, "step_optimizer", step_optimizer)
+    monkeypatch.setattr(optim, "step_optimizer", step_optimizer or next_norm)
     monkeypatch.setattr(sys, "argv", ["train.py", "configs/tiny.yaml", *assets, "--sft.steps=0", "--train.threads=0",
                                       "--train.eval_every=0", "--train.sample_every=0", "--data.max_train_examples=16",
                                       "--data.max_eval_examples=2", "--env.workers=1", "--grpo.group_size=2",
