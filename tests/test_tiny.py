@@ -175,3 +175,37 @@ def test_a_checkpoint_or_foreign_data_is_never_overwritten(tmp_path, capsys):
     with pytest.raises(ValueError, match="not a toy set"):
         tiny.prepare_assets(cfg, Transformer, sft.gold_texts)
     assert (mine / "train.jsonl").read_text() == records + "\n"
+
+
+def test_two_runs_starting_at_once_build_the_assets_once(tmp_path):
+    """The README's seeds 1 and 2 started together on a fresh clone share runs/toy and
+    runs/tiny/model. Two processes released at the same instant build one folder (the toy set and
+    a tiny model, tiny.prepare_assets as train.py calls it): one builds, the other waits for its
+    lock and then finds both built and reuses them. Before the lock both built, both wrote
+    toy/database/<db>/<db>.sqlite.tmp, and one's rename found the file gone (FileNotFoundError)."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    from sqltask.dataset import load_examples
+    go, shared = tmp_path / "go", tmp_path / "shared"
+    code = ("import os, sys, time\n"
+            f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+            "from pathlib import Path\n"
+            "import conftest, config, sft, model, toy.tiny\n"  # imported before the start: only the build races
+            "print('ready', flush=True)\n"
+            f"while not os.path.exists({str(go)!r}):\n"
+            "    time.sleep(0.005)\n"
+            f"conftest.build_tiny_assets(Path({str(shared)!r}))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready", p.communicate()[0][-3000:]
+    go.touch()
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [out[-3000:] for out in outs]
+    assert sum("building the toy set" in out for out in outs) == 1, outs
+    assert sum("building a tiny" in out for out in outs) == 1, outs
+    # what both go on with: the whole set, a model that loads, no temp file left behind
+    assert len(load_examples(shared / "toy" / "train.jsonl", shared / "toy")) > 1000
+    Transformer.from_pretrained(str(shared / "model"))
+    assert not [p for p in shared.rglob("*") if p.name.endswith(".tmp")]
