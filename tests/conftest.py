@@ -90,9 +90,33 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL pid and every process below it (torchrun's ranks run in sessions of their own, and the
+    SQL pool's workers below them: a process group would miss them)."""
+    for target in [pid, *_descendants(pid)]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class Bounded(subprocess.Popen):
+    """A Popen whose communicate(timeout=...) kills the process and everything below it when the time
+    runs out, then raises TimeoutExpired as Popen does: a timed-out run's ranks and SQL workers
+    would otherwise run on beside the rest of the suite and slow every later test."""
+
+    def communicate(self, input=None, timeout=None):
+        try:
+            return super().communicate(input, timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.pid)
+            super().communicate()
+            raise
+
+
 def run_dist_check(script: str, *args: str, nproc: int = 2, timeout: float = 240) -> DistCheck:
-    """tests/<script> on nproc CPU ranks under torchrun (torchrun_env: gloo, one thread each), its
-    results through report(). `--standalone`: torchrun's rendezvous store binds a free port itself,
+    """tests/<script> (or any script, given its absolute path) on nproc CPU ranks under torchrun
+    (torchrun_env: gloo, one thread each), its results through report(). `--standalone`: torchrun's rendezvous store binds a free port itself,
     so concurrent launches (another test session, a training run) cannot clash. Bounded by
     `timeout` (below pytest's per-test limit, so a hang fails here with its output): past it
     torchrun and every rank are killed (the ranks run in sessions of their own, so they are found
@@ -106,11 +130,7 @@ def run_dist_check(script: str, *args: str, nproc: int = 2, timeout: float = 240
             try:
                 returncode = p.wait(timeout)
             except subprocess.TimeoutExpired:
-                for pid in [p.pid, *_descendants(p.pid)]:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                kill_tree(p.pid)
                 p.wait()
                 returncode = None
             out.seek(0)

@@ -20,7 +20,7 @@ import pytest
 import config as C
 from sqltask import dataset
 from trainer import runguard
-from conftest import ROOT, build_tiny_assets, torchrun_env
+from conftest import ROOT, Bounded, build_tiny_assets, torchrun_env
 from test_train import read_metrics, run_train, small_args
 
 # -----------------------------------------------------------------------------
@@ -250,8 +250,8 @@ def assets(tmp_path_factory):
 def torchrun(args, out_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
            "configs/tiny.yaml", *args, f"--train.out_dir={out_dir}"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return Bounded(cmd, cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                   start_new_session=True)
 
 
 def tiny_args(d, settings):

@@ -23,7 +23,7 @@ from trainer import run_log
 import sft
 from toy import tiny
 import train
-from conftest import ROOT, grpo_update, torchrun_env
+from conftest import ROOT, Bounded, grpo_update, torchrun_env
 from model import Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -371,8 +371,9 @@ def run_train(args, out_dir, nproc=1, timeout=300):
         cmd = [sys.executable, "train.py"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
-    return subprocess.Popen(cmd + args + [f"--train.out_dir={out_dir}"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Bounded: a communicate() that times out kills the run and its ranks instead of leaving them running
+    return Bounded(cmd + args + [f"--train.out_dir={out_dir}"], cwd=ROOT, env=env,
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def small_args(tmp_path):
