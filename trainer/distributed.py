@@ -102,7 +102,7 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def compute_dtype(cfg) -> torch.dtype:
+def compute_dtype(cfg: "config.Config") -> torch.dtype:
     """model.dtype is the compute dtype (trainer, reference, sampler); master weights, reduced
     gradients and AdamW states stay fp32. float16 also needs loss scaling (trainer/loss_scale.py)."""
     return COMPUTE_DTYPES[cfg.model.dtype]
@@ -256,7 +256,7 @@ class PeakMemory:
         return out
 
 
-def memory_estimate(model: nn.Module, cfg, world: int) -> dict[str, float]:
+def memory_estimate(model: nn.Module, cfg: "config.Config", world: int) -> dict[str, float]:
     """GB per device of one rank's phases, for the FSDP2 layout used on every world size (one rank
     included). Call it before shard() (it reads the blocks) and, for a LoRA run, after lora.apply.
 
