@@ -4,6 +4,7 @@ Run: .venv/bin/pytest tests/test_tiny.py -q
 """
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,3 +210,26 @@ def test_two_runs_starting_at_once_build_the_assets_once(tmp_path):
     assert len(load_examples(shared / "toy" / "train.jsonl", shared / "toy")) > 1000
     Transformer.from_pretrained(str(shared / "model"))
     assert not [p for p in shared.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_a_tiny_model_build_stopped_midway_is_built_again(tmp_path, monkeypatch, capsys):
+    """The tiny model's folder gets config.json before its weights: a run killed in between left a
+    folder that looked built, and the next run loaded it (no weights). The stamp says "unfinished"
+    until the build's last file, so the next run builds it again."""
+    from conftest import build_tiny_assets
+    real = tiny.build_tiny_model
+
+    def killed_after_config(model_class, out_dir, **kw):
+        (Path(out_dir) / "config.json").write_text("{}")  # what hf_folder.save writes first
+        raise KeyboardInterrupt  # the run stopped here
+    monkeypatch.setattr(tiny, "build_tiny_model", killed_after_config)
+    with pytest.raises(KeyboardInterrupt):
+        build_tiny_assets(tmp_path)
+    assert (tmp_path / "model" / "config.json").exists() and not (tmp_path / "model" / "model.safetensors").exists()
+    monkeypatch.setattr(tiny, "build_tiny_model", real)
+    capsys.readouterr()
+    build_tiny_assets(tmp_path)
+    assert "was not finished (its build stopped midway): building it again" in capsys.readouterr().out
+    Transformer.from_pretrained(str(tmp_path / "model"))
+    from toy.prepare_toy import TOY_VERSION
+    assert (tmp_path / "model" / "toy_version").read_text().strip() == tiny.tiny_stamp(TOY_VERSION)

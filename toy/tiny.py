@@ -202,6 +202,9 @@ def prepare_toy_set(data_cfg) -> bool:
 CORPUS_VERSION = 2
 
 
+UNFINISHED = "unfinished"  # a tiny model folder's stamp while its build runs
+
+
 def tiny_stamp(toy_version: int) -> str:
     """What a tiny model folder built on the toy set records in its toy_version file."""
     return f"{toy_version} corpus {CORPUS_VERSION}"
@@ -233,7 +236,12 @@ def _prepare_assets(cfg, model_class, gold_texts) -> None:
     rebuilt = prepare_toy_set(cfg.data)
     from toy.prepare_toy import TOY_VERSION
     model_stamp = Path(cfg.model.path) / "toy_version"
-    if cfg.data.prepare_toy and cfg.model.build_tiny and (Path(cfg.model.path) / "config.json").exists():
+    has_config = (Path(cfg.model.path) / "config.json").exists()
+    if cfg.model.build_tiny and has_config and model_stamp.exists() and model_stamp.read_text().strip() == UNFINISHED:
+        print(f"the tiny model in {cfg.model.path} was not finished (its build stopped midway): building it again",
+              flush=True)
+        (Path(cfg.model.path) / "config.json").unlink()
+    elif cfg.data.prepare_toy and cfg.model.build_tiny and has_config:
         if model_stamp.exists() and (rebuilt or model_stamp.read_text().strip() != tiny_stamp(TOY_VERSION)):
             print(f"the tiny model in {cfg.model.path} was built on another toy set or tokenizer corpus: "
                   f"building it again", flush=True)
@@ -251,11 +259,17 @@ def _prepare_assets(cfg, model_class, gold_texts) -> None:
         m = cfg.model
         texts = tokenizer_corpus(cfg, gold_texts)
         print(f"building a tiny {m.tiny_family} model + tokenizer in {m.path}", flush=True)
+        # hf_folder writes config.json before the weights: a build killed in between would leave a
+        # folder that looks built. The stamp says "unfinished" until the last file is written.
+        Path(m.path).mkdir(parents=True, exist_ok=True)
+        model_stamp.write_text(f"{UNFINISHED}\n")
         build_tiny(model_class, m.path, texts, vocab_size=m.tiny_vocab_size, family=m.tiny_family,
                    hidden_size=m.tiny_hidden_size, layers=m.tiny_layers, heads=m.tiny_heads,
                    kv_heads=m.tiny_kv_heads, intermediate_size=m.tiny_intermediate_size, seed=cfg.train.seed)
         if cfg.data.prepare_toy:  # its tokenizer was trained on this toy set
             model_stamp.write_text(f"{tiny_stamp(TOY_VERSION)}\n")
+        else:
+            model_stamp.unlink()
 
 
 def shape_differences(m) -> list[str]:
