@@ -10,8 +10,9 @@ toy/database/<db>/<db>.sqlite.tmp, and one run's rename found the other's file g
 The lock is an exclusive fcntl.flock on a file beside the folder (runs/toy.lock: the folder's own
 listing stays what the build writes). The kernel drops it when its holder exits, however it
 exits (a crash, kill -9): a killed build never leaves it stuck, and the next run finds the
-folder without its last file (the toy set writes train.jsonl last) and builds it again. Taken
-again by the process that holds it (prepare_assets, then prepare_toy inside it), it is a no-op.
+folder unfinished (the toy set writes train.jsonl last; a tiny model's stamp says "unfinished"
+until its last file) and builds it again. Taken again by the process that holds it
+(prepare_assets, then prepare_toy inside it), it is a no-op.
 Tests: .venv/bin/pytest tests/test_tiny.py -k at_once
 """
 from __future__ import annotations
