@@ -134,7 +134,10 @@ def test_follow_redraws_while_the_run_goes(tmp_path):
     drawn, stop = [], threading.Event()
 
     def append(line: dict, after_draws: int):
-        while len(drawn) < after_draws and not stop.is_set():  # the follower has drawn the state before
+        # once the follower has drawn the state before (a follower that never draws: 60 s, then the
+        # line anyway, and the drawn states below show what it missed instead of both waiting forever)
+        deadline = time.monotonic() + 60
+        while len(drawn) < after_draws and not stop.is_set() and time.monotonic() < deadline:
             time.sleep(0.01)
         with open(p, "a") as fh:
             fh.write(json.dumps(line) + "\n")
