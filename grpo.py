@@ -55,7 +55,7 @@ from torch import Tensor
 
 from trainer import packing
 from trainer.credits import CREDITS
-from trainer.distributed import all_gather_list
+from trainer.distributed import all_gather_list, collective_device
 from trainer.losses import LOSSES, PgInputs, clip_range, masked_mean
 from trainer.policy_update import BatchTokens
 from trainer.rollout_correction import RolloutIS, is_weights, mismatch_metrics
@@ -229,9 +229,7 @@ def global_norm(mask_list: list[Tensor], agg: str, group: dist.ProcessGroup | No
     Every rank must call it (it is a collective). Never below 1, so an empty step gives loss 0."""
     n = sum(local_count(m, agg) for m in mask_list)
     if dist.is_available() and dist.is_initialized():
-        # NCCL reduces only GPU tensors, gloo only CPU ones; the masks may live on either
-        nccl = dist.get_backend(group) == "nccl"
-        dev = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        dev = collective_device(group)  # NCCL reduces only GPU tensors, gloo only CPU ones
         t = torch.tensor([n], dtype=torch.int64, device=dev)  # int64: exact counts
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         n = int(t.item())

@@ -1,7 +1,14 @@
-"""Shared test setup: the repo root on sys.path, the location of the real Spider data."""
+"""Shared test setup: the repo root on sys.path, the location of the real Spider data, the
+launcher of the 2-rank checks (run_dist_check, report) and shared helpers."""
 import os
+import signal
+import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -29,6 +36,109 @@ def torchrun_env(**extra: str) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "disabled", **extra}
 
 
+# -----------------------------------------------------------------------------
+# 2-rank checks (tests/*_dist_check.py) under torchrun: each rank's results in a file of its own
+
+RESULTS_ENV = "GRPO_SQL_CHECK_RESULTS"  # the folder run_dist_check gives the ranks for their results
+
+
+def report(line: str) -> None:
+    """One result line of a rank, for the test that launched it (run_dist_check): appended, whole, to
+    this rank's own file <$GRPO_SQL_CHECK_RESULTS>/rank<RANK>.txt, and printed for a reader running
+    the script by hand. Tests never parse the ranks' shared stdout: two ranks printing at once
+    interleave their writes ("...moved=1RESULT rank=0 ..." came out as one line)."""
+    print(line, flush=True)
+    folder = os.environ.get(RESULTS_ENV)
+    if folder:
+        with open(Path(folder) / f"rank{os.environ.get('RANK', '0')}.txt", "a") as fh:
+            fh.write(line + "\n")
+
+
+@dataclass
+class DistCheck:
+    """How a run_dist_check ended: returncode (None: killed at its time limit), the output of
+    torchrun and its ranks (interleaved: for a failure message only), each rank's report() lines."""
+    returncode: int | None
+    output: str
+    results: dict[int, list[str]]
+
+    def lines(self) -> list[str]:
+        """Every rank's result lines, rank 0's first."""
+        return [line for rank in sorted(self.results) for line in self.results[rank]]
+
+    def why(self) -> str:
+        """What a failed assertion shows: how it ended and the output's tail."""
+        ended = "killed at its time limit" if self.returncode is None else f"exit status {self.returncode}"
+        return f"{ended}; results {self.results}; output:\n{self.output[-4000:]}"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below pid (children first found through /proc's parent ids)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        below = todo.pop()
+        kids = [child for child, parent in parents.items() if parent == below]
+        out += kids
+        todo += kids
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL pid and every process below it (torchrun's ranks run in sessions of their own, and the
+    SQL pool's workers below them: a process group would miss them)."""
+    for target in [pid, *_descendants(pid)]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class Bounded(subprocess.Popen):
+    """A Popen whose communicate(timeout=...) kills the process and everything below it when the time
+    runs out, then raises TimeoutExpired as Popen does: a timed-out run's ranks and SQL workers
+    would otherwise run on beside the rest of the suite and slow every later test."""
+
+    def communicate(self, input=None, timeout=None):
+        try:
+            return super().communicate(input, timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.pid)
+            super().communicate()
+            raise
+
+
+def run_dist_check(script: str, *args: str, nproc: int = 2, timeout: float = 240) -> DistCheck:
+    """tests/<script> (or any script, given its absolute path) on nproc CPU ranks under torchrun
+    (torchrun_env: gloo, one thread each), its results through report(). `--standalone`: torchrun's rendezvous store binds a free port itself,
+    so concurrent launches (another test session, a training run) cannot clash. Bounded by
+    `timeout` (below pytest's per-test limit, so a hang fails here with its output): past it
+    torchrun and every rank are killed (the ranks run in sessions of their own, so they are found
+    through /proc) and returncode is None."""
+    with tempfile.TemporaryDirectory(prefix="dist_check_") as folder:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(ROOT / "tests" / script), *args]
+        with open(Path(folder) / "output.txt", "w+") as out:
+            p = subprocess.Popen(cmd, cwd=ROOT, env=torchrun_env(**{RESULTS_ENV: folder}), stdout=out,
+                                 stderr=subprocess.STDOUT)
+            try:
+                returncode = p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                kill_tree(p.pid)
+                p.wait()
+                returncode = None
+            out.seek(0)
+            output = out.read()
+        results = {int(f.stem[4:]): f.read_text().splitlines() for f in Path(folder).glob("rank*.txt")}
+    return DistCheck(returncode, output, results)
+
+
 def build_tiny_assets(d: Path) -> list[str]:
     """The toy set and a tiny model under d, built as a run builds them (tiny.prepare_assets).
     Returns the `group.key=value` settings that point a config at them (model.path is 5th)."""
@@ -43,6 +153,13 @@ def build_tiny_assets(d: Path) -> list[str]:
                 "model.tiny_vocab_size=512"]
     tiny.prepare_assets(C.load_config(["--" + a for a in settings]), Transformer, sft.gold_texts)
     return settings
+
+
+@pytest.fixture(scope="session")
+def loop_assets(tmp_path_factory) -> list[str]:
+    """The toy set and a tiny model, built once for the session: the `--group.key=value` arguments
+    that point a run at them (tests/test_train.py's run_scripted_loop and its callers)."""
+    return ["--" + a for a in build_tiny_assets(tmp_path_factory.mktemp("loop"))]
 
 
 def loss_of(logp, old, adv, mask, *, norm, ref_logp=None, rollout_logp=None, entropy=None, turns=None,

@@ -7,8 +7,8 @@ tied embeddings, chunked checkpointed logprobs — when model.py is present) and
 1-process reference gradient on the whole batch; a `fully_shard` copy computes the loss on this
 rank's uneven share (different rows and token counts per rank, micro-batches, an all-masked
 padding micro-batch), normalised by `global_norm` and scaled by world_size as grpo.py's contract
-says. The gathered gradient must match the reference. Prints one `RESULT model=... case=...`
-line per model and case (loss variant, aggregation, rollout correction: CASES) on rank 0; exits
+says. The gathered gradient must match the reference. Reports one `RESULT model=... case=...`
+line (conftest.report) per model and case (loss variant, aggregation, rollout correction: CASES) on rank 0; exits
 non-zero on a mismatch.
 """
 import copy
@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainer import distributed  # noqa: E402
-from conftest import loss_of  # noqa: E402
+from conftest import loss_of, report  # noqa: E402
 from grpo import AGGS, global_norm  # noqa: E402
 from trainer.rollout_correction import RolloutIS  # noqa: E402
 
@@ -143,9 +143,9 @@ def main():
                     and abs(total.item() - ref_loss.item()) <= 1e-6 * max(1.0, abs(ref_loss.item())))
             ok &= good
             if rank == 0:
-                print(f"RESULT model={name} case={'/'.join(case)} norm={norm:g} loss={total.item():.7f} "
-                      f"ref_loss={ref_loss.item():.7f} max_grad={scale:.3g} max_grad_diff={max_diff:.2e} "
-                      f"{'ok' if good else 'MISMATCH'}", flush=True)
+                report(f"RESULT model={name} case={'/'.join(case)} norm={norm:g} loss={total.item():.7f} "
+                       f"ref_loss={ref_loss.item():.7f} max_grad={scale:.3g} max_grad_diff={max_diff:.2e} "
+                       f"{'ok' if good else 'MISMATCH'}")
     distributed.close()
     sys.exit(0 if ok else 1)
 

@@ -6,9 +6,9 @@ Both ranks build the same model, shard it in fp16 (fp32 masters) and take three 
 through optim.step_optimizer with a LossScaler at 2^16. Step 1: rank 1's loss is multiplied by
 2^20 (its scaled fp16 backward overflows), rank 0's is not. Step 2: rank 1's loss is NaN. Step 3:
 both plain. Every rank must see the same verdicts (overflow, nonfinite_loss, clean): the gradient
-norm is global and the loss flag all-reduced, so no rank steps alone. Prints on every rank
+norm is global and the loss flag all-reduced, so no rank steps alone. Every rank reports
 `RESULT rank=R verdicts=... scale=S overflow=N nonfinite=M moved=1|0` (moved: the weights
-changed at step 3 only).
+changed at step 3 only) through conftest.report: a file per rank.
 """
 import os
 import sys
@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import config as C  # noqa: E402
+from conftest import report  # noqa: E402
 from test_packing import make_model  # noqa: E402
 from trainer import distributed, optim  # noqa: E402
 from trainer.loss_scale import LossScaler  # noqa: E402
@@ -41,8 +42,8 @@ def main():
         verdicts.append(scaler.last)
         moved.append(any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters())))
     ok_moved = int(moved == [False, False, True])
-    print(f"RESULT rank={rank} verdicts={','.join(verdicts)} scale={scaler.scale_value:g} "
-          f"overflow={scaler.overflow_skips} nonfinite={scaler.nonfinite_skips} moved={ok_moved}", flush=True)
+    report(f"RESULT rank={rank} verdicts={','.join(verdicts)} scale={scaler.scale_value:g} "
+           f"overflow={scaler.overflow_skips} nonfinite={scaler.nonfinite_skips} moved={ok_moved}")
     distributed.close()
 
 

@@ -4,7 +4,8 @@
 
 Every rank builds the same Qwen2-shaped Transformer with LoRA on all seven projections (random
 B, so every adapter gets a gradient) and the same global batch; each rank takes half the rows.
-Prints one `RESULT <case> ... ok|MISMATCH` line per case on rank 0, exits non-zero on a mismatch:
+Reports one `RESULT <case> ... ok|MISMATCH` line per case on rank 0 (conftest.report), exits non-zero
+on a mismatch:
 - fp32:         fully_shard per block + root; the gathered adapter gradients equal the
                 1-process gradient on the whole batch; the frozen base gets none.
 - bf16_base:    frozen base in bf16, adapters in fp32 in the same fully_shard groups (FSDP2
@@ -34,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainer import checkpoint  # noqa: E402
+from conftest import report  # noqa: E402
 import config as C  # noqa: E402
 from trainer import distributed  # noqa: E402
 from trainer import lora  # noqa: E402
@@ -185,7 +187,7 @@ def main():
     for case, (good, info) in results.items():
         ok &= good
         if rank == 0:
-            print(f"RESULT {case} {info} {'ok' if good else 'MISMATCH'}", flush=True)
+            report(f"RESULT {case} {info} {'ok' if good else 'MISMATCH'}")
     distributed.close()
     sys.exit(0 if ok else 1)
 

@@ -5,8 +5,8 @@ tests/test_policy_sampler.py:
 
 Every rank builds the same Transformer (plain, then with LoRA adapters of random B), keeps the
 merged full weights (lora.merged_state_dict before sharding) as the reference, shards it as the
-trainer does (distributed.shard, fp32) and refreshes an inference copy unit by unit. Prints
-`RESULT <case> ok|MISMATCH` on rank 0; exits non-zero on a mismatch.
+trainer does (distributed.shard, fp32) and refreshes an inference copy unit by unit. Reports
+`RESULT <case> ok|MISMATCH` on rank 0 (conftest.report); exits non-zero on a mismatch.
 """
 import os
 import sys
@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config as C  # noqa: E402
+from conftest import report  # noqa: E402
 from trainer import distributed  # noqa: E402
 from trainer import lora  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
@@ -62,7 +63,7 @@ def main():
         dist.all_reduce(flag)
         bad |= bool(flag.item())
         if dist.get_rank() == 0:
-            print(f"RESULT {case} {'ok' if flag.item() == 0 else 'MISMATCH'}", flush=True)
+            report(f"RESULT {case} {'ok' if flag.item() == 0 else 'MISMATCH'}")
     distributed.close()
     sys.exit(1 if bad else 0)
 

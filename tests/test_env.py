@@ -23,6 +23,11 @@ from config import EnvConfig
 
 T = 1.0  # tool timeout used in these tests
 T_ADV = 0.5  # the adversarial suite's (many of its queries run into it)
+# How late a deadline's answer may come on a loaded machine (other test sessions, a training run
+# beside this one: the answer waits for a core). Generous on purpose: what the timing checks show
+# is that a deadline is enforced at all, and the queries they time run for minutes, or forever,
+# without one.
+LATE_S = 2.5
 
 
 @pytest.fixture(scope="module")
@@ -163,10 +168,9 @@ def _adversarial_run(dbs, tmp_path):
             t0 = time.monotonic()  # (a worker killed by the previous query may still be booting)
             r = env.run_sql(db, sql, timeout_s=T_ADV)
             wall = time.monotonic() - t0
-            # ordinary queries: within the deadline + 0.1 s; a single long opcode (printf's padding
-            # loop here) is killed at the hard wall budget
-            limit = T_ADV + sandbox.KILL_MARGIN_S + 0.2 if r.error.startswith("killed") else T_ADV + 0.1
-            assert wall < limit, (sql, wall, r.error)
+            # the deadline holds: ordinary queries are interrupted at it, a single long opcode
+            # (printf's padding loop here) is killed at the hard wall budget, KILL_MARGIN_S later
+            assert wall < T_ADV + sandbox.KILL_MARGIN_S + LATE_S, (sql, wall, r.error)
             if r.ok:  # some SQLite builds answer NULL when printf's width passes
                 # SQLITE_LIMIT_LENGTH, where 3.40 raises "string or blob too big": nothing was
                 # allocated either way
@@ -218,8 +222,8 @@ def test_single_long_opcode_is_killed_and_worker_replaced(tiny_db):
     wall = time.monotonic() - t0
     assert rs[0].timed_out and not rs[0].ok and "killed" in rs[0].error
     assert rs[1].ok and rs[1].rows == [(60,)]  # in order, unaffected
-    assert wall < 0.3 + sandbox.KILL_MARGIN_S + 0.3, wall
-    assert pool.replaced == before + 1
+    assert wall < 0.3 + sandbox.KILL_MARGIN_S + LATE_S, wall  # unkilled, the opcode runs ~10 s
+    assert pool.replaced == before + 1  # killed: one worker replaced
     assert env.run_sql(tiny_db, "SELECT 1", timeout_s=T).rows == [(1,)]  # the replacement works
 
 
@@ -244,13 +248,17 @@ def test_pool_order_memory_cap_and_byte_cap(tiny_db):
 def test_timeout_answered_before_sqlite_cleanup(tiny_db):
     # 2 s of an unbounded in-memory sort holds ~100 MB; freeing it takes 0.1-0.3 s after the
     # interrupt. The worker answers first, cleans up after, and takes no job until it is idle.
+    # The order is read from the pool, not a clock: when the answer is back, the worker that gave
+    # it is still cleaning up (an answer sent after the clean-up would find it idle).
     sort = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i+1 FROM r) SELECT i FROM r ORDER BY random()"
-    sandbox.get_pool().wait_ready()
+    pool = sandbox.get_pool().wait_ready()
     t0 = time.monotonic()
     r = env.run_sql(tiny_db, sort, timeout_s=2.0)
-    assert r.timed_out and "interrupted" in r.error and time.monotonic() - t0 < 2.0 + 0.1
+    assert r.timed_out and "interrupted" in r.error and time.monotonic() - t0 < 2.0 + LATE_S
+    assert [w.cleaning for w in pool.workers].count(True) == 1
     rs = env.run_sql_batch([(tiny_db, "SELECT count(*) FROM singer")] * 4, timeout_s=T)
     assert all(x.rows == [(60,)] for x in rs)
+    assert not any(w.cleaning for w in pool.workers)
 
 
 @pytest.mark.parametrize("sql", [None, "SELECT " + "1+" * 60_000 + "1", b"SELECT 1"])
@@ -283,12 +291,17 @@ def test_workers_do_not_reimport_the_callers_main(tiny_db, tmp_path):
 
 
 def test_batch_runs_in_parallel_and_pool_survives(tiny_db):
+    """A batch of queries that each run into their deadline, one per worker: they time out together
+    (about one deadline in all), not one after the other (one deadline each). The deadline is long
+    enough that the two differ by more than a loaded machine's delay."""
     sleepy = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i+1 FROM r) SELECT count(*) FROM r"
-    n = sandbox.get_pool().wait_ready().n  # (a worker replaced by an earlier test may still be booting)
+    n = sandbox.get_pool(2).wait_ready().n  # (a worker replaced by an earlier test may still be booting)
+    deadline = 2.0
     t0 = time.monotonic()
-    rs = env.run_sql_batch([(tiny_db, sleepy)] * n, timeout_s=0.4)
-    assert all(r.timed_out for r in rs)
-    assert time.monotonic() - t0 < 0.4 + 0.3  # n timeouts at once, not one after the other
+    rs = env.run_sql_batch([(tiny_db, sleepy)] * n, timeout_s=deadline)
+    wall = time.monotonic() - t0
+    assert all(r.timed_out for r in rs) and n == 2
+    assert wall < (n - 0.5) * deadline, wall  # one after the other: >= n x the deadline
 
 
 # -----------------------------------------------------------------------------
@@ -357,7 +370,9 @@ def test_parse_very_long_text_is_fast():
     assert env.parse_turn(junk, "tags").kind == "invalid"
     assert env.parse_turn(junk + "<sql>SELECT 1</sql>", "tags").arg == "SELECT 1"
     assert env.parse_turn("<sql>```" + "x" * 1_000_000, "tags").kind == "invalid"
-    assert time.perf_counter() - t0 < 1.0
+    # linear: ~0.01 s here; a backtracking pattern on these 3.6 MB takes hours. 10 s leaves a loaded
+    # machine its delay and still catches any super-linear parse
+    assert time.perf_counter() - t0 < 10.0
 
 
 @settings(max_examples=300, deadline=None)

@@ -12,14 +12,12 @@ import json
 import os
 import shutil
 import sqlite3
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, torchrun_env
+from conftest import ROOT, run_dist_check
 
 import config as C
 from sqltask import dataset
@@ -188,12 +186,9 @@ def test_files_order_and_placeholders(setup, greedy_run):
 def test_torchrun_two_processes_match_one(setup, greedy_run):
     d, _, base = setup
     out = str(d / "greedy2")
-    env = torchrun_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "eval.py")] + base + ["--out", out]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    assert "2 process(es)" in p.stdout and "ETA" in p.stdout
+    run = run_dist_check(str(ROOT / "eval.py"), *base, "--out", out, timeout=240)  # killed with its ranks past it
+    assert run.returncode == 0, run.why()
+    assert "2 process(es)" in run.output and "ETA" in run.output
     p1, t1, s1 = read_out(greedy_run)
     p2, t2, s2 = read_out(out)
     assert p2 == p1
@@ -378,7 +373,7 @@ def test_a_missing_model_is_an_immediate_error_without_the_network(setup, tmp_pa
     shutil.copy(setup[0] / "model" / "config.json", only_config)
     with pytest.raises(C.ConfigError, match="--model .*only_config: no tokenizer"):
         run_main(["generate", "--model", str(only_config), "--data", data, "--db-root", str(setup[0] / "toy")])
-    assert time.time() - t0 < 5
+    assert time.time() - t0 < 30  # at once (~0.1 s): a hub lookup retried for 49 s; 30 s leaves load its delay
     with pytest.raises(C.ConfigError, match="--chunk must be >= 1, got 0"):
         run_main(["generate", "--model", str(setup[0] / "model"), "--data", data, "--chunk", "0"])
 

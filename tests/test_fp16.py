@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import config as C
-from conftest import ROOT, torchrun_env
+from conftest import ROOT, run_dist_check
 from test_packing import make_model, make_trajs
 from trainer import config_checks, distributed, optim
 from trainer.loss_scale import LossScaler
@@ -209,14 +209,11 @@ def test_two_ranks_agree_on_overflow_and_non_finite_skips():
     """tests/fp16_dist_check.py: one rank's loss overflows fp16's backward (or is NaN), the other's
     does not; the global gradient norm and the all-reduced loss flag make both ranks skip, and
     count it under the same name."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "fp16_dist_check.py")]
-    p = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300)
-    out = p.stdout + p.stderr
-    results = sorted(line for line in out.splitlines() if line.startswith("RESULT"))
-    assert p.returncode == 0 and len(results) == 2, out[-4000:]
-    for line in results:  # rank r: its verdicts on the 3 steps, its scale, its counts
-        assert line.endswith("verdicts=overflow,nonfinite_loss,clean scale=32768 overflow=1 nonfinite=1 moved=1"), line
+    check = run_dist_check("fp16_dist_check.py", timeout=240)
+    assert check.returncode == 0 and sorted(check.results) == [0, 1], check.why()
+    for rank, lines in check.results.items():  # each rank: its verdicts on the 3 steps, its scale, its counts
+        assert lines == [f"RESULT rank={rank} verdicts=overflow,nonfinite_loss,clean scale=32768 overflow=1 "
+                         "nonfinite=1 moved=1"], check.why()
 
 
 def test_mismatch_bench_smoke():

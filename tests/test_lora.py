@@ -10,7 +10,6 @@ FSDP2 sharding on 1 and 2 ranks (tests/lora_dist_check.py). The PEFT tests skip 
 """
 import json
 import re
-import subprocess
 import sys
 
 import pytest
@@ -22,7 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 import config as C
 from trainer import distributed
 from trainer import lora
-from conftest import ROOT, torchrun_env
+from conftest import ROOT, run_dist_check
 from model import ModelArgs, Transformer
 
 V = 97
@@ -370,11 +369,7 @@ def test_memory_command_prints_lora_next_to_full(tmp_path, capsys):
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 @pytest.mark.parametrize("world", [1, 2])  # 1: FSDP2 on one process (its gathered copies too)
 def test_fsdp2_shards_lora(world):
-    env = torchrun_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(ROOT / "tests" / "lora_dist_check.py")]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    out = p.stdout + p.stderr
-    results = dict(re.findall(r"RESULT (\S+) .* (ok|MISMATCH)", out))
-    assert p.returncode == 0 and results == {c: "ok" for c in ("fp32", "bf16_base", "train_step", "checkpoint", "merged_fp32",
-                                                                   "merged_bf16")}, out[-4000:]
+    check = run_dist_check("lora_dist_check.py", nproc=world, timeout=240)
+    results = dict(re.fullmatch(r"RESULT (\S+) .* (ok|MISMATCH)", line).groups() for line in check.results.get(0, []))
+    assert check.returncode == 0 and results == {c: "ok" for c in ("fp32", "bf16_base", "train_step", "checkpoint",
+                                                                       "merged_fp32", "merged_bf16")}, check.why()

@@ -146,7 +146,9 @@ def test_block_mask_32k_row_memory_and_time():
             times.append(time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
-    assert min(times) < 2.0, times
+    # ~0.1 s here; a mask built from (T, T) pairs at T = 32768 takes minutes (and ~10 GB). 10 s
+    # leaves a loaded machine its delay and still tells the two apart
+    assert min(times) < 10.0, times
 
 
 def test_block_mask_rejects_a_non_contiguous_layout():

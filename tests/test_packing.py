@@ -214,20 +214,14 @@ def test_update_gradients_equal_padded_reference(agg, epochs, minis, kl, ckpt, l
 
 
 def test_update_two_ranks_equal_one_process(tmp_path):
-    import subprocess
-    import sys
-
     import update_dist_check
-    from conftest import ROOT, torchrun_env
+    from conftest import run_dist_check
     ref_file = tmp_path / "reference.pt"
     torch.save([update_dist_check.reference(case) for case in update_dist_check.CASES], ref_file)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "update_dist_check.py"), str(ref_file)]
-    p = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300)
-    out = p.stdout + p.stderr
-    results = [line for line in out.splitlines() if line.startswith("RESULT")]
-    assert p.returncode == 0 and len(results) == len(update_dist_check.CASES) * len(update_dist_check.UNITS), \
-        out[-4000:]
+    check = run_dist_check("update_dist_check.py", str(ref_file), timeout=240)
+    results = check.results.get(0, [])
+    assert check.returncode == 0 and len(results) == len(update_dist_check.CASES) * len(update_dist_check.UNITS), \
+        check.why()
     assert all(line.endswith(" ok") for line in results), results
 
 

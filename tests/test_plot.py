@@ -123,28 +123,38 @@ def test_finished_marker(tmp_path):
 
 def test_follow_redraws_while_the_run_goes(tmp_path):
     """A writer thread appends steps like train.py; follow redraws on each change and returns at
-    the run's final line."""
+    the run's final line. The writer appends a line once the previous one is drawn (not after a
+    fixed sleep: a slow redraw on a loaded machine would see several lines at once), so every
+    state is drawn exactly once, in order."""
     pytest.importorskip("matplotlib")
     import threading
     import time
     p = tmp_path / "metrics.jsonl"
     p.write_text(json.dumps({"step": 0, "eval/ex": 0.1, "eval/random_ex": 0.02}) + "\n")
+    drawn, stop = [], threading.Event()
+
+    def append(line: dict, after_draws: int):
+        # once the follower has drawn the state before (a follower that never draws: 60 s, then the
+        # line anyway, and the drawn states below show what it missed instead of both waiting forever)
+        deadline = time.monotonic() + 60
+        while len(drawn) < after_draws and not stop.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with open(p, "a") as fh:
+            fh.write(json.dumps(line) + "\n")
 
     def writer():
         for s in range(1, 4):
-            time.sleep(0.6)
-            with open(p, "a") as fh:
-                fh.write(json.dumps({"step": s, "train/reward": s / 3, "train/ex": s / 6}) + "\n")
-        with open(p, "a") as fh:
-            fh.write(json.dumps({"step": 3, plot.DONE: 1.0}) + "\n")
+            append({"step": s, "train/reward": s / 3, "train/ex": s / 6}, s)
+        append({"step": 3, plot.DONE: 1.0}, 4)
 
     th = threading.Thread(target=writer)
-    drawn = []
     th.start()
-    n = plot.follow(str(tmp_path), every=0.1, on_draw=lambda png: drawn.append(len(plot.read_metrics(str(p)))))
-    th.join()
-    assert n == len(drawn) >= 3  # the first state, some steps, the final one
-    assert drawn[-1] == len(plot.read_metrics(str(p)))  # the last redraw saw the whole file
+    try:
+        n = plot.follow(str(tmp_path), every=0.05, on_draw=lambda png: drawn.append(len(p.read_text().splitlines())))
+    finally:
+        stop.set()
+        th.join()
+    assert n == len(drawn) and drawn == [1, 2, 3, 4, 5]  # lines seen: the first state, each step, the final line
     assert (tmp_path / "metrics.png").stat().st_size > 10_000
 
 

@@ -10,9 +10,6 @@
 """
 import copy
 import dataclasses
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,7 +17,7 @@ import torch.distributed as dist
 
 import config as C
 from trainer import lora
-from conftest import ROOT, torchrun_env
+from conftest import run_dist_check
 from trainer.policy_sampler import PolicySampler
 from rollout import rollout, sample_episodes
 from test_rollout_share import DATA, db, example, tok_model  # noqa: F401  (fixtures)
@@ -79,9 +76,5 @@ def test_refresh_merges_lora(tok_model):  # noqa: F811
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 @pytest.mark.parametrize("world", [1, 2])
 def test_refresh_from_fsdp2(world):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(ROOT / "tests" / "policy_sampler_dist_check.py")]
-    p = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=180)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0 and dict(re.findall(r"RESULT (\S+) (ok|MISMATCH)", out)) == \
-        {"plain": "ok", "lora": "ok"}, out[-4000:]
+    check = run_dist_check("policy_sampler_dist_check.py", nproc=world, timeout=240)
+    assert check.returncode == 0 and check.results.get(0) == ["RESULT plain ok", "RESULT lora ok"], check.why()

@@ -20,7 +20,7 @@ import pytest
 import config as C
 from sqltask import dataset
 from trainer import runguard
-from conftest import ROOT, build_tiny_assets, torchrun_env
+from conftest import ROOT, Bounded, build_tiny_assets, torchrun_env
 from test_train import read_metrics, run_train, small_args
 
 # -----------------------------------------------------------------------------
@@ -148,12 +148,43 @@ def test_a_rank_stops_when_its_launcher_is_killed(tmp_path, monkeypatch):
     assert p.stdout.readline().strip() == "watching"
     p.send_signal(signal.SIGKILL)
     p.wait()
-    deadline = time.time() + 10
+    deadline = time.time() + 60  # one 0.05-s poll; generous for a loaded machine
     while not flag.exists():
         assert time.time() < deadline, "the child did not get SIGTERM after its launcher died"
         time.sleep(0.05)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert not runguard.stop_with_launcher()  # python train.py: its parent is a shell (nohup must work)
+
+
+def test_a_stop_after_the_launcher_died_names_it_whichever_signal_came_first(tmp_path):
+    """kill -9 of torchrun: each rank's watcher polls for it and sends its own SIGTERM, and the ranks
+    agree on the stop at the step boundary, so rank 0 may stop on rank 1's SIGTERM before its own
+    watcher has woken. The line must still say the launcher is gone, not "SIGTERM". Here the child's
+    watcher sleeps an hour between polls: the launcher is dead, the watcher has not noticed, and
+    the line is named now."""
+    child = ("import os, signal, time\n"
+             "from trainer import runguard\n"
+             "assert runguard.stop_with_launcher(poll_s=3600)\n"
+             "parent = os.getppid()\n"
+             "print('watching', flush=True)\n"
+             "while os.getppid() == parent:\n"
+             "    time.sleep(0.01)\n"
+             "print(runguard.launcher_gone.is_set(), flush=True)\n"
+             "print(runguard.stop_line(signal.SIGTERM, 3, 9, 'runs/x/ckpt_000003'), flush=True)\n")
+    launcher = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); "
+                "time.sleep(120)")
+    p = subprocess.Popen([sys.executable, "-c", launcher], cwd=ROOT, env={**os.environ, "TORCHELASTIC_RUN_ID": "x"},
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "watching"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    noticed, line = p.stdout.readline().strip(), p.stdout.readline().strip()  # EOF once the child exits
+    assert noticed == "False"  # the watcher had not woken: the race this test is about
+    assert line == ("stopped (the launcher is gone) after step 3 of 9: saved runs/x/ckpt_000003; "
+                    "the same command resumes from it")
+    # without a launcher (python train.py), or with it alive, a SIGTERM is named as such
+    assert runguard.stop_line(signal.SIGTERM, 3, 9, "c") == ("stopped (SIGTERM) after step 3 of 9: saved c; the same "
+                                                              "command resumes from it")
 
 
 # -----------------------------------------------------------------------------
@@ -219,8 +250,8 @@ def assets(tmp_path_factory):
 def torchrun(args, out_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
            "configs/tiny.yaml", *args, f"--train.out_dir={out_dir}"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return Bounded(cmd, cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                   start_new_session=True)
 
 
 def tiny_args(d, settings):

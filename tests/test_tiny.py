@@ -4,6 +4,7 @@ Run: .venv/bin/pytest tests/test_tiny.py -q
 """
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,3 +176,60 @@ def test_a_checkpoint_or_foreign_data_is_never_overwritten(tmp_path, capsys):
     with pytest.raises(ValueError, match="not a toy set"):
         tiny.prepare_assets(cfg, Transformer, sft.gold_texts)
     assert (mine / "train.jsonl").read_text() == records + "\n"
+
+
+def test_two_runs_starting_at_once_build_the_assets_once(tmp_path):
+    """The README's seeds 1 and 2 started together on a fresh clone share runs/toy and
+    runs/tiny/model. Two processes released at the same instant build one folder (the toy set and
+    a tiny model, tiny.prepare_assets as train.py calls it): one builds, the other waits for its
+    lock and then finds both built and reuses them. Before the lock both built, both wrote
+    toy/database/<db>/<db>.sqlite.tmp, and one's rename found the file gone (FileNotFoundError)."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    from sqltask.dataset import load_examples
+    go, shared = tmp_path / "go", tmp_path / "shared"
+    code = ("import os, sys, time\n"
+            f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+            "from pathlib import Path\n"
+            "import conftest, config, sft, model, toy.tiny\n"  # imported before the start: only the build races
+            "print('ready', flush=True)\n"
+            f"while not os.path.exists({str(go)!r}):\n"
+            "    time.sleep(0.005)\n"
+            f"conftest.build_tiny_assets(Path({str(shared)!r}))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready", p.communicate()[0][-3000:]
+    go.touch()
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [out[-3000:] for out in outs]
+    assert sum("building the toy set" in out for out in outs) == 1, outs
+    assert sum("building a tiny" in out for out in outs) == 1, outs
+    # what both go on with: the whole set, a model that loads, no temp file left behind
+    assert len(load_examples(shared / "toy" / "train.jsonl", shared / "toy")) > 1000
+    Transformer.from_pretrained(str(shared / "model"))
+    assert not [p for p in shared.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_a_tiny_model_build_stopped_midway_is_built_again(tmp_path, monkeypatch, capsys):
+    """The tiny model's folder gets config.json before its weights: a run killed in between left a
+    folder that looked built, and the next run loaded it (no weights). The stamp says "unfinished"
+    until the build's last file, so the next run builds it again."""
+    from conftest import build_tiny_assets
+    real = tiny.build_tiny_model
+
+    def killed_after_config(model_class, out_dir, **kw):
+        (Path(out_dir) / "config.json").write_text("{}")  # what hf_folder.save writes first
+        raise KeyboardInterrupt  # the run stopped here
+    monkeypatch.setattr(tiny, "build_tiny_model", killed_after_config)
+    with pytest.raises(KeyboardInterrupt):
+        build_tiny_assets(tmp_path)
+    assert (tmp_path / "model" / "config.json").exists() and not (tmp_path / "model" / "model.safetensors").exists()
+    monkeypatch.setattr(tiny, "build_tiny_model", real)
+    capsys.readouterr()
+    build_tiny_assets(tmp_path)
+    assert "was not finished (its build stopped midway): building it again" in capsys.readouterr().out
+    Transformer.from_pretrained(str(tmp_path / "model"))
+    from toy.prepare_toy import TOY_VERSION
+    assert (tmp_path / "model" / "toy_version").read_text().strip() == tiny.tiny_stamp(TOY_VERSION)

@@ -24,7 +24,7 @@ from trainer import run_log
 import sft
 from toy import tiny
 import train
-from conftest import ROOT, build_tiny_assets, grpo_update, torchrun_env
+from conftest import ROOT, Bounded, grpo_update, torchrun_env
 from model import Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -372,8 +372,9 @@ def run_train(args, out_dir, nproc=1, timeout=300):
         cmd = [sys.executable, "train.py"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
-    return subprocess.Popen(cmd + args + [f"--train.out_dir={out_dir}"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Bounded: a communicate() that times out kills the run and its ranks instead of leaving them running
+    return Bounded(cmd + args + [f"--train.out_dir={out_dir}"], cwd=ROOT, env=env,
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def small_args(tmp_path):
@@ -542,11 +543,6 @@ def test_kill_and_resume_with_episodes_in_flight_is_exact(tmp_path):
 # weights are synced to the sampler
 
 
-@pytest.fixture(scope="module")
-def loop_assets(tmp_path_factory):
-    return ["--" + a for a in build_tiny_assets(tmp_path_factory.mktemp("loop"))]
-
-
 def weights(model) -> dict:
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for n, p in model.named_parameters()}
@@ -583,23 +579,25 @@ class ScriptedSampler:
         return trajs
 
 
-def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *args):
+def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *args, step_optimizer=None):
     """train.main with the scripted sampler; the update records the episodes and advantages it is
     given (train.update, per mini-batch); optim.step_optimizer returns the next of
-    `grad_norms` and, when finite, moves every weight (a skipped step moves none). Returns (the
-    sampler, [(tags, advantages) per update])."""
+    `grad_norms` and, when finite, moves every weight (a skipped step moves none), or is
+    `step_optimizer` when given. assets: conftest's loop_assets. Returns (the sampler, [(tags,
+    advantages) per update])."""
     from reward import Reward
     from trainer import policy_update
     ScriptedSampler.made, ScriptedSampler.reward_of = [], staticmethod(reward_of)
     updates, norms = [], iter(grad_norms)
 
-    def step_optimizer(model, opt, sch, cfg, scaler=None):
+    def next_norm(model, opt, sch, cfg, scaler=None):
         g = next(norms)
         if math.isfinite(g):
             with torch.no_grad():
                 for q in model.parameters():
                     q.add_(0.01)
         return g
+
     def next_round(self, step, phase=None, first_group=0):  # the next chunk, rolled out by the scripted sampler
         prompts = self.order.take(self.chunk_prompts)[self.rank::self.world]
         examples = [self.examples[i] for i in prompts]
@@ -621,7 +619,7 @@ def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *arg
                         given.update(advantages=advantages))
     monkeypatch.setattr(policy_update, "micro_batches", lambda model, trajs, idx, cfg, device: iter(updates.append(
         ([trajs[i].tag for i in idx], [float(given["advantages"][i][0]) for i in idx])) or ()))
-    monkeypatch.setattr(optim, "step_optimizer", step_optimizer)
+    monkeypatch.setattr(optim, "step_optimizer", step_optimizer or next_norm)
     monkeypatch.setattr(sys, "argv", ["train.py", "configs/tiny.yaml", *assets, "--sft.steps=0", "--train.threads=0",
                                       "--train.eval_every=0", "--train.sample_every=0", "--data.max_train_examples=16",
                                       "--data.max_eval_examples=2", "--env.workers=1", "--grpo.group_size=2",

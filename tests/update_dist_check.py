@@ -9,8 +9,8 @@ reference is train.update on a plain model over the whole batch in one process. 
 a batch), the two shares having different groups, token counts and micro-batch counts (the rank
 with fewer runs dummy passes). The optimizer records the gathered gradients instead of stepping:
 they must equal the 1-process ones for every case (loss aggregation, ppo_epochs × mini_batches,
-kl_beta, loss variant), with either FSDP2 unit (model.fsdp_unit). Prints
-`RESULT case=... unit=... max_grad_diff=... ok|MISMATCH` on rank 0.
+kl_beta, loss variant), with either FSDP2 unit (model.fsdp_unit). Reports
+`RESULT case=... unit=... max_grad_diff=... ok|MISMATCH` on rank 0 (conftest.report).
 """
 import os
 import sys
@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import config as C  # noqa: E402
 from trainer import distributed  # noqa: E402
-from conftest import grpo_update  # noqa: E402
+from conftest import grpo_update, report  # noqa: E402
 from test_packing import make_model, make_trajs  # noqa: E402
 
 # (loss aggregation, ppo_epochs, mini_batches, kl_beta, loss)
@@ -105,8 +105,8 @@ def main(reference_file):
                 diff = max((a - b).abs().max().item() for gs, ws in zip(got, want) for a, b in zip(gs, ws))
                 ok = len(got) == len(want) and diff <= 1e-5
                 failed |= not ok
-                print(f"RESULT case={'/'.join(map(str, case))} unit={unit} max_grad_diff={diff:.2e} "
-                      f"{'ok' if ok else 'MISMATCH'}", flush=True)
+                report(f"RESULT case={'/'.join(map(str, case))} unit={unit} max_grad_diff={diff:.2e} "
+                       f"{'ok' if ok else 'MISMATCH'}")
     distributed.close()
     sys.exit(1 if failed else 0)
 

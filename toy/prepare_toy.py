@@ -53,6 +53,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from sqltask.dataset import make_record, write_jsonl
+from toy.build_lock import build_lock
 from toy.schemas import FAMILIES, encode_categories, make_rows, write_db
 
 # 'Paris4k' -> ('Paris', '4k'), 'ci_Paris4k' -> ('Paris', '4k'); a twin ('Paris_N') does not match
@@ -562,7 +563,12 @@ def prepare_toy(out_dir, seed: int = 0, verbose: bool = False) -> dict:
     """Generate the toy set under out_dir. Returns {"train": n, "eval": n, "templates": {split:
     Counter}, "tool": {split: questions that need the tool}, "refine": {split: those whose first
     lookup returns no rows}, "memoriser": {split: tool questions a policy that never looks gets
-    right, memoriser_right}}."""
+    right, memoriser_right}}. One process at a time writes a folder (build_lock: another waits)."""
+    with build_lock(out_dir):
+        return _write_toy(out_dir, seed, verbose)
+
+
+def _write_toy(out_dir, seed: int, verbose: bool) -> dict:
     out = Path(out_dir)
     splits = {"train": [], "eval": []}
     seen = defaultdict(Counter)  # word -> Counter(suffix) of the codes training golds used so far

@@ -268,9 +268,10 @@ def ddl(fam: dict) -> list[str]:
 
 
 def write_db(path: Path, fam: dict, rows: dict) -> None:
-    """Build in a temp file, then rename: a finished file or none, and no stale pages."""
+    """Build in a temp file, then rename: a finished file or none, and no stale pages. The temp
+    name is this process's own (a build another process left half-done never shares it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     con = sqlite3.connect(tmp)
     con.execute("PRAGMA journal_mode = OFF")  # no journal, no fsync: a half-written file is never

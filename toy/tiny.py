@@ -17,6 +17,7 @@ Tests: .venv/bin/pytest tests/test_tiny.py
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from toy.build_lock import build_lock
 from trainer.config_loader import ConfigError
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -174,22 +176,25 @@ def build_tiny(model_class, out_dir, texts=None, vocab_size: int = 1024, **model
 
 def prepare_toy_set(data_cfg) -> bool:
     """Build the toy set at data_cfg.db_root when data.prepare_toy asks and it is absent or from an
-    older prepare_toy.py (its toy_version stamp). Returns whether it was built now."""
+    older prepare_toy.py (its toy_version stamp). Returns whether it was built now. Decided and
+    built under the folder's build lock: a run that finds another building it waits, then finds
+    it built and reuses it."""
     from toy.prepare_toy import TOY_VERSION, prepare_toy
     if not data_cfg.prepare_toy:
         return False
-    toy_stamp = Path(data_cfg.db_root) / "toy_version"
-    stale = Path(data_cfg.train_path).exists() and (
-        not toy_stamp.exists() or toy_stamp.read_text().strip() != str(TOY_VERSION))
-    if stale and not _is_toy_set(data_cfg.train_path):
-        raise ConfigError(f"data.prepare_toy is true but {data_cfg.train_path} is not a toy set (its records' "
-                         f"source is not 'toy'): set data.prepare_toy false to train on it")
-    if not stale and Path(data_cfg.train_path).exists():
-        return False
-    print(f"building the toy set (version {TOY_VERSION}) in {data_cfg.db_root}"
-          + (" (the one there is from an older prepare_toy.py)" if stale else ""), flush=True)
-    prepare_toy(data_cfg.db_root, seed=data_cfg.toy_seed)
-    return True
+    with build_lock(data_cfg.db_root):
+        toy_stamp = Path(data_cfg.db_root) / "toy_version"
+        stale = Path(data_cfg.train_path).exists() and (
+            not toy_stamp.exists() or toy_stamp.read_text().strip() != str(TOY_VERSION))
+        if stale and not _is_toy_set(data_cfg.train_path):
+            raise ConfigError(f"data.prepare_toy is true but {data_cfg.train_path} is not a toy set (its records' "
+                              f"source is not 'toy'): set data.prepare_toy false to train on it")
+        if not stale and Path(data_cfg.train_path).exists():
+            return False
+        print(f"building the toy set (version {TOY_VERSION}) in {data_cfg.db_root}"
+              + (" (the one there is from an older prepare_toy.py)" if stale else ""), flush=True)
+        prepare_toy(data_cfg.db_root, seed=data_cfg.toy_seed)
+        return True
 
 
 # the tiny tokenizer's corpus (tokenizer_corpus): bumped when it changes, so that a tiny model built
@@ -197,17 +202,32 @@ def prepare_toy_set(data_cfg) -> bool:
 CORPUS_VERSION = 2
 
 
+UNFINISHED = "unfinished"  # a tiny model folder's stamp while its build runs
+
+
 def tiny_stamp(toy_version: int) -> str:
     """What a tiny model folder built on the toy set records in its toy_version file."""
     return f"{toy_version} corpus {CORPUS_VERSION}"
 
 
-def prepare_assets(cfg, model_class, gold_texts):
+def prepare_assets(cfg, model_class, gold_texts) -> None:
     """Rank 0 of a run (cfg: config.Config): build the toy data and the tiny model if the config asks
     (data.prepare_toy, model.build_tiny) and they are absent, or stamped with another toy version
     (the model: or another tokenizer corpus, tiny_stamp). model_class: model.Transformer;
     gold_texts(examples, cfg, db_paths): the warm start's gold turns and observations as texts
-    (sft.gold_texts), part of the tiny tokenizer's corpus (tokenizer_corpus)."""
+    (sft.gold_texts), part of the tiny tokenizer's corpus (tokenizer_corpus).
+    Safe when two runs start at once: both folders' build locks (toy/build_lock.py, the toy set's
+    first, always in that order) are held from the first check to the last file, so a second run
+    waits for the first's build and then reuses it."""
+    with contextlib.ExitStack() as locks:
+        if cfg.data.prepare_toy:
+            locks.enter_context(build_lock(cfg.data.db_root))
+        if cfg.model.build_tiny:
+            locks.enter_context(build_lock(cfg.model.path))
+        _prepare_assets(cfg, model_class, gold_texts)
+
+
+def _prepare_assets(cfg, model_class, gold_texts) -> None:
     # A toy set from an older prepare_toy.py (its layout or codes changed since) is built again, and
     # so is a tiny model whose tokenizer was trained on it: the README's figures are for the current
     # set, and an old one silently gives others. Only what this code built is replaced: a toy folder
@@ -216,7 +236,12 @@ def prepare_assets(cfg, model_class, gold_texts):
     rebuilt = prepare_toy_set(cfg.data)
     from toy.prepare_toy import TOY_VERSION
     model_stamp = Path(cfg.model.path) / "toy_version"
-    if cfg.data.prepare_toy and cfg.model.build_tiny and (Path(cfg.model.path) / "config.json").exists():
+    has_config = (Path(cfg.model.path) / "config.json").exists()
+    if cfg.model.build_tiny and has_config and model_stamp.exists() and model_stamp.read_text().strip() == UNFINISHED:
+        print(f"the tiny model in {cfg.model.path} was not finished (its build stopped midway): building it again",
+              flush=True)
+        (Path(cfg.model.path) / "config.json").unlink()
+    elif cfg.data.prepare_toy and cfg.model.build_tiny and has_config:
         if model_stamp.exists() and (rebuilt or model_stamp.read_text().strip() != tiny_stamp(TOY_VERSION)):
             print(f"the tiny model in {cfg.model.path} was built on another toy set or tokenizer corpus: "
                   f"building it again", flush=True)
@@ -234,11 +259,17 @@ def prepare_assets(cfg, model_class, gold_texts):
         m = cfg.model
         texts = tokenizer_corpus(cfg, gold_texts)
         print(f"building a tiny {m.tiny_family} model + tokenizer in {m.path}", flush=True)
+        # hf_folder writes config.json before the weights: a build killed in between would leave a
+        # folder that looks built. The stamp says "unfinished" until the last file is written.
+        Path(m.path).mkdir(parents=True, exist_ok=True)
+        model_stamp.write_text(f"{UNFINISHED}\n")
         build_tiny(model_class, m.path, texts, vocab_size=m.tiny_vocab_size, family=m.tiny_family,
                    hidden_size=m.tiny_hidden_size, layers=m.tiny_layers, heads=m.tiny_heads,
                    kv_heads=m.tiny_kv_heads, intermediate_size=m.tiny_intermediate_size, seed=cfg.train.seed)
         if cfg.data.prepare_toy:  # its tokenizer was trained on this toy set
             model_stamp.write_text(f"{tiny_stamp(TOY_VERSION)}\n")
+        else:
+            model_stamp.unlink()
 
 
 def shape_differences(m) -> list[str]:

@@ -25,16 +25,18 @@ import contextlib
 import datetime
 import os
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 # -----------------------------------------------------------------------------
 # process group
 
 
-def setup_dist(timeout_s: float = 7200.0):
+def setup_dist(timeout_s: float = 7200.0) -> tuple[int, int, torch.device]:
     """-> (rank, world, device). Always leaves a process group: torchrun's (RANK set), or a
     one-rank group built in-process (a HashStore, no network), so FSDP2 and its fp32-master /
     compute-dtype policy run the same on 1 rank as on N.
@@ -88,16 +90,25 @@ def close(drain_timeout_s: float = 10.0) -> None:
     dist.destroy_process_group()
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor must live for a collective of the process group: gloo reduces CPU tensors,
+    NCCL CUDA ones (this rank's current device). The one place that choice is made (the loss
+    scaler's non-finite-loss flag, grpo.global_norm's token count)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def compute_dtype(cfg) -> torch.dtype:
+def compute_dtype(cfg: "config.Config") -> torch.dtype:
     """model.dtype is the compute dtype (trainer, reference, sampler); master weights, reduced
     gradients and AdamW states stay fp32. float16 also needs loss scaling (trainer/loss_scale.py)."""
     return COMPUTE_DTYPES[cfg.model.dtype]
 
 
-def param_count(model) -> int:
+def param_count(model: nn.Module) -> int:
     """Parameters of the whole model: under FSDP2 p.numel() of a DTensor is already the global
     count (not the local shard), so no ×world."""
     return sum(p.numel() for p in model.parameters())
@@ -107,14 +118,14 @@ def param_count(model) -> int:
 # collectives (identity on one rank)
 
 
-def all_sum(values: list[float], device) -> list[float]:
+def all_sum(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(t)
     return t.tolist()
 
 
-def map_shared(fn, items: list, rank: int, world: int) -> list:
+def map_shared(fn: Callable[[list], list], items: list, rank: int, world: int) -> list:
     """fn(items) -> one result per item, computed by the ranks together: each runs fn on its share
     (every world-th item from its rank); the results are all-gathered, so every rank returns the
     whole list, in item order (e.g. the data's gold check: each rank runs a share of the golds)."""
@@ -127,8 +138,8 @@ def map_shared(fn, items: list, rank: int, world: int) -> list:
     return out
 
 
-def all_max(v: int, device) -> int:
-    t = torch.tensor([v], dtype=torch.long, device=device)
+def all_max(value: int, device: torch.device) -> int:
+    t = torch.tensor([value], dtype=torch.long, device=device)
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
@@ -147,7 +158,7 @@ def all_gather_list(xs: list) -> list:
 # FSDP2
 
 
-def shard(model, dtype: torch.dtype, unit: str = "block"):
+def shard(model: nn.Module, dtype: torch.dtype, unit: str = "block") -> nn.Module:
     """fully_shard the model on every world size (1 rank included): unit "block" makes each block
     its own FSDP2 unit, then the root (embeddings, final norm, lm_head); "model" makes the whole
     model one unit (config model.fsdp_unit says when each pays).
@@ -181,13 +192,13 @@ def shard(model, dtype: torch.dtype, unit: str = "block"):
     return model
 
 
-def fsdp_modules(model) -> list:
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
     """The FSDP2 units of a model, root first (empty when not sharded)."""
     from torch.distributed.fsdp import FSDPModule
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def unsharded_class(model) -> type:
+def unsharded_class(model: nn.Module) -> type:
     """The model's own class: fully_shard swaps a sharded module's class for FSDP<Class>, a subclass
     of (FSDPModule, Class); a plain model's is its type."""
     from torch.distributed.fsdp import FSDPModule
@@ -198,7 +209,7 @@ def unsharded_class(model) -> type:
 # micro-batch passes: every rank runs as many as the rank with the most
 
 
-def each_micro_batch(model, mbs: list, device, *, backward: bool):
+def each_micro_batch(model: nn.Module, mbs: list, device: torch.device, *, backward: bool) -> Iterator:
     """Yield this rank's micro-batches in order; where another rank has more, run a dummy pass
     instead (FSDP2's collectives must match across ranks): forward only when the caller scores
     without gradients (backward=False), forward + zero backward when it accumulates a loss. The
@@ -219,11 +230,11 @@ class PeakMemory:
     """Peak CUDA memory per phase of a step (GB), reset at each phase's start, for comparing a
     GPU run with memory_estimate(). Every phase() is a no-op off CUDA (peaks stays empty)."""
 
-    def __init__(self, device):
+    def __init__(self, device: torch.device):
         self.device, self.peaks, self.starts = device, {}, {}
 
     @contextlib.contextmanager
-    def phase(self, name: str):
+    def phase(self, name: str) -> Iterator[None]:
         if self.device.type != "cuda":
             yield
             return
@@ -245,7 +256,7 @@ class PeakMemory:
         return out
 
 
-def memory_estimate(model, cfg, world: int) -> dict:
+def memory_estimate(model: nn.Module, cfg: "config.Config", world: int) -> dict[str, float]:
     """GB per device of one rank's phases, for the FSDP2 layout used on every world size (one rank
     included). Call it before shard() (it reads the blocks) and, for a LoRA run, after lora.apply.
 
@@ -264,15 +275,16 @@ def memory_estimate(model, cfg, world: int) -> dict:
     n = param_count(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     lora_params = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
-    a = model.config
+    arch = model.config  # model.ModelArgs: the shape
     gb = 1024 ** 3
     unsharded_bytes = compute_dtype(cfg).itemsize  # 2 for bfloat16 and float16
-    kv_per_tok = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * unsharded_bytes
+    kv_per_tok = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * unsharded_bytes
     # activations of one micro-batch: the block inputs kept by checkpointing (or every block's
     # intermediates without it), plus one block's worth recomputed in backward
-    tok, per_block = cfg.optim.micro_batch_tokens, (4 * a.hidden_size + 3 * a.intermediate_size) * unsharded_bytes
-    acts = tok * (a.hidden_size * unsharded_bytes * a.num_hidden_layers + per_block) \
-        if cfg.model.activation_checkpointing else tok * per_block * a.num_hidden_layers
+    tok = cfg.optim.micro_batch_tokens
+    per_block = (4 * arch.hidden_size + 3 * arch.intermediate_size) * unsharded_bytes
+    acts = tok * (arch.hidden_size * unsharded_bytes * arch.num_hidden_layers + per_block) \
+        if cfg.model.activation_checkpointing else tok * per_block * arch.num_hidden_layers
     # the largest unit: (all params, trainable params) gathered at once
     if cfg.model.fsdp_unit == "model":
         unit, unit_trainable = n, trainable

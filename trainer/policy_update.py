@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from trainer import packing
 from trainer.distributed import each_micro_batch
 
 
 @contextlib.contextmanager
-def training_mode(model, training: bool):
+def training_mode(model: nn.Module, training: bool) -> Iterator[None]:
     """model.train(training) inside, the mode it found restored on exit. Only LoRA dropout
     (model.lora_dropout) reads the mode: on for the SFT and GRPO losses, off wherever logprobs
     stand for the policy itself (rollouts and evals: the engine sets eval mode; old/ref scoring)."""
@@ -41,7 +42,8 @@ def training_mode(model, training: bool):
         model.train(was_training)
 
 
-def logprobs_of(model, mbs, temperature: float, device) -> dict[int, torch.Tensor]:
+def logprobs_of(model: nn.Module, mbs: list[packing.MicroBatch], temperature: float,
+                device: torch.device) -> dict[int, Tensor]:
     """No-grad logprobs of every sequence's loss tokens: {sequence index: (n_loss_tokens,)}.
     Stored per sequence, so any later packing (mini-batches, epochs) can look them up.
     Eval mode (no dropout): old logprobs are the behaviour policy's, the one that sampled the
@@ -56,11 +58,14 @@ def logprobs_of(model, mbs, temperature: float, device) -> dict[int, torch.Tenso
     return out
 
 
-def mini_batches(n: int, g) -> list[list[int]]:
-    """The update's mini-batches over this rank's n trajectories, in order: each of g.ppo_epochs
-    passes cuts them into g.mini_batches contiguous slices (one optimizer step each)."""
-    bounds = [round(k * n / g.mini_batches) for k in range(g.mini_batches + 1)]
-    return [list(range(bounds[k], bounds[k + 1])) for _ in range(g.ppo_epochs) for k in range(g.mini_batches)]
+def mini_batches(n: int, grpo_cfg: "config.GRPOConfig") -> list[list[int]]:
+    """The update's mini-batches over this rank's n trajectories, in order: each of
+    grpo_cfg.ppo_epochs passes cuts them into grpo_cfg.mini_batches contiguous slices (one optimizer
+    step each). n = 0 (a rank whose every episode was left out) still gives the same number of
+    (empty) slices: the rank takes every optimizer step with the others."""
+    slices = grpo_cfg.mini_batches
+    bounds = [round(k * n / slices) for k in range(slices + 1)]
+    return [list(range(bounds[k], bounds[k + 1])) for _ in range(grpo_cfg.ppo_epochs) for k in range(slices)]
 
 
 @dataclass
@@ -76,15 +81,17 @@ class BatchTokens:
     turns: dict
 
 
-def batch_tokens(model, ref_model, trajs, advantages: list[Tensor], cfg, device) -> BatchTokens:
+def batch_tokens(model: nn.Module, ref_model: nn.Module | None, trajs: list, advantages: list[Tensor],
+                 cfg: "config.Config", device: torch.device) -> BatchTokens:
     """Score old / reference logprobs once per batch (only when needed) and collect the sampler's,
-    the advantages (advantages[i]: trajectory i's, one per loss token) and each token's turn."""
-    g, budget, row_tokens = cfg.grpo, cfg.optim.micro_batch_tokens, cfg.optim.pack_row_tokens
+    the advantages (advantages[i]: trajectory i's, one per loss token) and each token's turn.
+    trajs: rollout.Trajectory records."""
+    grpo_cfg, budget, row_tokens = cfg.grpo, cfg.optim.micro_batch_tokens, cfg.optim.pack_row_tokens
     seqs, prompt_lens = _sequences(trajs)
     # each token's sampler logprob at the loss tokens, aligned like old_logp (rollout/trainer mismatch)
     sampler_lp = {i: torch.tensor([t.logprobs[j] for j in range(1, len(t.ids)) if t.loss_mask[j]],
                                   dtype=torch.float32, device=device) for i, t in enumerate(trajs)}
-    need_old = g.ppo_epochs * g.mini_batches > 1
+    need_old = grpo_cfg.ppo_epochs * grpo_cfg.mini_batches > 1
     mbs = packing.plan(seqs, prompt_lens, budget, row_tokens) if need_old or ref_model is not None else []
     old = logprobs_of(model, mbs, cfg.sampling.temperature, device) if need_old else None
     ref = logprobs_of(ref_model, mbs, cfg.sampling.temperature, device) if ref_model is not None else None
@@ -93,7 +100,7 @@ def batch_tokens(model, ref_model, trajs, advantages: list[Tensor], cfg, device)
     return BatchTokens(old, ref, sampler_lp, adv, turns)
 
 
-def _sequences(trajs):
+def _sequences(trajs: list) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
     """(ids, loss_mask) per trajectory, and its prompt length where its ids start with its prompt
     (the shared prefix packing computes once per group; 0 = none)."""
     seqs = [(t.ids, t.loss_mask) for t in trajs]
@@ -101,13 +108,14 @@ def _sequences(trajs):
     return seqs, prompt_lens
 
 
-def loss_masks(trajs, idx: list[int]) -> list[Tensor]:
+def loss_masks(trajs: list, idx: list[int]) -> list[Tensor]:
     """The loss masks of trajectories idx (each (len(ids) - 1,): token t+1 is a loss token), what
     grpo.global_norm counts for the optimizer step's normaliser."""
     return [torch.tensor(trajs[i].loss_mask[1:], dtype=torch.float32) for i in idx]
 
 
-def micro_batches(model, trajs, idx: list[int], cfg, device):
+def micro_batches(model: nn.Module, trajs: list, idx: list[int], cfg: "config.Config",
+                  device: torch.device) -> Iterator[packing.MicroBatch]:
     """The packed micro-batches of trajectories idx (packing.MicroBatch; its members index into
     idx), yielded with the model in training mode (dropout on: the loss's forwards) and every rank
     running as many passes (each_micro_batch). The caller runs each forward and backward before
@@ -123,7 +131,7 @@ class UpdateMetrics:
     """The update's metrics over its micro-batches and optimizer steps: each loss metric weighted by
     its micro-batch's loss tokens (add), and one gradient norm per optimizer step (grad_norms)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.sums: dict[str, list[float]] = {}  # {metric: [token-weighted sum, tokens]}
         self.grad_norms: list[float] = []
         self.overflows: list[bool] = []  # per optimizer step: skipped for a float16 gradient overflow
@@ -147,8 +155,9 @@ class UpdateMetrics:
         a step saw a non-finite norm and did not step, other than float16's overflow skips, which are
         the loss scaler's own metrics); grad_norms (every step's)."""
         out = {key: total / max(tokens, 1e-9) for key, (total, tokens) in self.sums.items()}
-        norms = [x for x, o in zip(self.grad_norms, self.overflows) if not o] or self.grad_norms
-        out.update(grad_norm=sum(norms) / len(norms), grad_norm_max=max(norms),
-                   skipped=float(any(not math.isfinite(x) and not o for x, o in zip(self.grad_norms, self.overflows))),
+        steps = list(zip(self.grad_norms, self.overflows))
+        norms = [norm for norm, overflowed in steps if not overflowed] or self.grad_norms
+        skipped = any(not math.isfinite(norm) and not overflowed for norm, overflowed in steps)
+        out.update(grad_norm=sum(norms) / len(norms), grad_norm_max=max(norms), skipped=float(skipped),
                    grad_norms=self.grad_norms)
         return out

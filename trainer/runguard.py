@@ -201,6 +201,7 @@ def lock_out_dir(out_dir: str):
 
 
 launcher_gone = threading.Event()  # set before the SIGTERM stop_with_launcher sends
+_watched: list[int] = []  # the launcher's pid, once stop_with_launcher watches it
 
 
 def stop_with_launcher(poll_s: float = 0.5) -> bool:
@@ -211,6 +212,7 @@ def stop_with_launcher(poll_s: float = 0.5) -> bool:
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # python train.py: the parent is a shell (nohup is fine)
         return False
     parent = os.getppid()
+    _watched[:] = [parent]
 
     def watch():
         while os.getppid() == parent:
@@ -220,6 +222,17 @@ def stop_with_launcher(poll_s: float = 0.5) -> bool:
 
     threading.Thread(target=watch, name="stop_with_launcher", daemon=True).start()
     return True
+
+
+def launcher_is_gone() -> bool:
+    """Whether this rank's launcher is gone, asked when a stop's cause is named. The watcher's flag
+    alone is not enough: it polls, and the signal this rank stops on may come first. After a kill -9
+    of torchrun every rank's watcher sends its own SIGTERM, and the stop is agreed over the ranks
+    (StopSignals.requested), so rank 0 can stop on rank 1's SIGTERM before its own watcher wakes. Its
+    parent is gone all the same (the kernel re-parents every orphan at once): read it now."""
+    if not launcher_gone.is_set() and _watched and os.getppid() != _watched[0]:
+        launcher_gone.set()
+    return launcher_gone.is_set()
 
 
 # -----------------------------------------------------------------------------
@@ -280,5 +293,5 @@ def _restore_handlers(previous: dict):
 
 def stop_line(signum: int, step: int, steps: int, checkpoint: str, what: str = "step") -> str:
     """What rank 0 prints after a stop at a step boundary (what: "warm-start step" in the warm start)."""
-    why = "the launcher is gone" if launcher_gone.is_set() else signal.Signals(signum).name
+    why = "the launcher is gone" if launcher_is_gone() else signal.Signals(signum).name
     return f"stopped ({why}) after {what} {step} of {steps}: saved {checkpoint}; the same command resumes from it"
