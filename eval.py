@@ -149,9 +149,8 @@ def report_random_floor(examples: list[dict], cfg, log, warm: dict | None = None
 def cmd_random(args) -> None:
     cfg = C.load_config(([args.config] if args.config else []) + args.overrides)
     path = cfg.data.eval_path if args.split == "eval" else cfg.data.train_path
-    if cfg.data.prepare_toy and not Path(cfg.data.train_path).exists():
-        from toy.prepare_toy import prepare_toy
-        prepare_toy(cfg.data.db_root, seed=cfg.data.toy_seed)
+    from toy.tiny import prepare_toy_set
+    prepare_toy_set(cfg.data)  # under the folder's build lock: two calls at once build it once
     limit = cfg.data.max_eval_examples if args.split == "eval" else cfg.data.max_train_examples
     try:
         examples = dataset.load_examples(path, cfg.data.db_root, limit)

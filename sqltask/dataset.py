@@ -48,7 +48,7 @@ def write_jsonl(path, records) -> int:
     Returns the number of lines written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # per process: two writers never share it
     n = 0
     with open(tmp, "w", encoding="utf-8") as fh:
         for r in records:
