@@ -41,7 +41,7 @@ chunk's last episode (a step trains whole groups, a chunk in order).
   recomputes their KV from the ids, as a pause does.
 
 Tests: .venv/bin/pytest tests/test_stream.py
-Benchmark: bench/stream.py (synchronous against streaming, interleaved in one process)
+Benchmark: bench/sync_vs_stream.py (synchronous against streaming, interleaved in one process)
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Synchronous steps against streaming ones (stream.sampling_steps_ahead), interleaved in one process.
 
-    .venv/bin/python bench/stream.py --warm runs/tiny/ckpt_000000/hf [--steps 8] [--pairs 2] [--ahead 1]
+    .venv/bin/python bench/sync_vs_stream.py --warm runs/tiny/ckpt_000000/hf [--steps 8] [--pairs 2] [--ahead 1]
         [--prompts 64] [--threads 2]
 
 --warm: the main command's policy before its first GRPO step (its ckpt_000000/hf, after the warm
