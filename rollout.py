@@ -382,8 +382,8 @@ def transcript(traj: Trajectory, example: dict, db_root, final_sql: str | None =
 
 def sample_episodes(sampler, tokenizer, examples, cfg, *, n: int, seed: int, greedy: bool = False,
                     sampling=None, answers=None, phase=None, first_group: int = 0) -> list[Episode]:
-    """Rollout then reward, the one path of training steps, evals, SFT's stop check and eval.py
-    generate: n episodes per example on the sampler's current weights (example-major: episode
+    """Rollout then reward, the one path of evals, SFT's stop check and eval.py generate (a training
+    step's rounds run the same loop and reward_episodes through stream.py): n episodes per example on the sampler's current weights (example-major: episode
     i*n + j is sample j of example i, group first_group + i). sampler: trainer.policy_sampler's;
     cfg: config.Config; sampling: the SamplingConfig to decode with (default cfg.sampling);
     answers(trajectory) -> the SQL to score (default its final_sql); phase(name): a context manager

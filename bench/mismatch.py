@@ -11,7 +11,7 @@ token, with r = log π_trainer(y) - log π_sampler(y):
     abs_mean    mean |r|      abs_max    max |r|
 
 Two models: (a) a warm start (an HF folder, e.g. <out_dir>/ckpt_000000/hf of the main command),
-sampled on the toy prompts through rollout.sample_episodes, the path a GRPO step takes; (b) a
+sampled on the toy prompts through rollout.sample_episodes (the loop and reward a GRPO step's rounds run); (b) a
 random model of the Qwen2.5-0.5B shape (N(0, 0.02) weights, as bench/policy_decode.py builds it),
 a few random prompts decoded by the engine (rollout.generate; EOS ignored). The headline lines come
 last: abs_mean of float16 over bfloat16 per model, and the larger of the two (goal <= 0.2).
