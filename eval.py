@@ -104,7 +104,7 @@ def evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step: int, pr
     if n_bad:
         metrics[f"{prefix}/recovery_rate"] = n_rec / n_bad
     log.metrics(step, metrics)
-    at = {k.split("/", 1)[1]: v for k, v in metrics.items()}  # the keys without the prefix
+    at = {k[len(prefix) + 1:]: v for k, v in metrics.items()}  # the keys without the prefix
     log.print(f"[{prefix} @ step {step}] EX {100 * at['ex']:.1f}%  reward {at['reward']:.3f}  "
               f"format-err {100 * at['format_err']:.1f}%  turns {at['turns']:.2f}  "
               f"tool-calls {at['tool_calls']:.2f}  truncated {100 * at['truncated']:.1f}%  "

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import config as C
+import eval as evaluation
 import grpo
 import train
 from conftest import ROOT, Bounded, build_tiny_assets, torchrun_env
@@ -217,8 +218,16 @@ def test_an_eval_pauses_the_stream_and_it_resumes_on_the_same_ids(assets):
     steps(run, stream, 2)
     before = {i: list(t.ids) for i, t in in_flight(stream).items()}
     assert before
-    evaluated = sample_episodes(run.sampler, run.tokenizer, exs[:3], cfg, n=1, seed=5, greedy=True)
-    assert len(evaluated) == 3 and all(e.trajectory.end_reason for e in evaluated)
+    class Lines(list):  # what the eval logs and prints (a nested prefix, as the warm start's checks use)
+        def print(self, line):
+            self.append(line)
+
+        def metrics(self, step, metrics):
+            self.append(metrics)
+    log = Lines()
+    metrics = evaluation.evaluate(run.sampler, run.tokenizer, exs[:3], cfg, 0, 1, torch.device("cpu"), log, 2,
+                                  prefix="sft/train")
+    assert 0 <= metrics["sft/train/ex"] <= 1 and log[0] is metrics and log[1].startswith("[sft/train @ step 2] EX ")
     kept, seen, _ = steps(run, stream, 1, first=2)[0]
     assert all(e.trajectory.end_reason for e in seen)
     continued = [t for t in [e.trajectory for e in seen] + [t for c in stream.chunks for t in c.trajs]
