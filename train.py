@@ -213,6 +213,11 @@ def main():
         torch.set_num_threads(cfg.train.threads)
     log = Log(cfg, rank)
     log.print(C.dump(cfg))
+    if cfg.stream.sampling_steps_ahead and cfg.grpo.rollout_is == "none":
+        log.print(f"WARNING: stream.sampling_steps_ahead={cfg.stream.sampling_steps_ahead} with grpo.rollout_is=none "
+                  "trains tokens sampled by older weights as if the current ones had (no importance weight): on the "
+                  "toy, k=2 collapsed by step 30 this way; --grpo.rollout_is=token-tis weighs each token by "
+                  "pi_old/pi_sampler (grpo.py: the three policies under streaming)")
     if cfg.data.prepare_toy or cfg.model.build_tiny:  # the toy recipes: their data and model, when absent
         # the tiny tokenizer trains on the run's own text (prompts, the warm start's gold episodes)
         runguard.on_rank0(lambda: tiny.prepare_assets(cfg, Transformer, sft.gold_texts), rank)  # a user error stops every rank
