@@ -7,6 +7,8 @@
   same ids; every chunk is trained once, in order, with dynamic sampling's refills too; a saved and
   restored stream trains what the uninterrupted one trains.
 - 2 gloo ranks through train.py with k = 1 (tests/test_train.py style): both finish every step.
+- LoRA, float16, grpo.mask_truncated and the rollout correction with k = 1 in one train.py run; a
+  Ctrl-C saves the episodes in flight and the same command resumes them.
 
     .venv/bin/pytest tests/test_stream.py -q
 """
@@ -334,3 +336,55 @@ def test_two_ranks_stream_through_train_py(assets, tmp_path):
     trained = [x for x in lines if "train/staleness_max" in x]
     assert [x["step"] for x in trained] == [1, 2, 3, 4]
     assert all(x["train/staleness_max"] <= 1 for x in trained) and any(x["train/staleness_mean"] > 0 for x in trained)
+
+
+def test_lora_float16_mask_truncated_and_a_ctrl_c_save_under_streaming(assets, tmp_path):
+    """The rest of the trainer with k = 1 in one train.py run: LoRA adapters, float16 with its loss
+    scale, grpo.mask_truncated (turns of 32 tokens: some episodes are cut, and masked), the rollout
+    correction. A Ctrl-C after step 2 saves the episodes in flight with the checkpoint; the same
+    command then resumes them and logs every step once."""
+    import signal
+    import time
+    d, settings = assets
+    run = tmp_path / "run"
+    # a short warm start: some episodes close their tags (trained, sampled ahead), others are cut (masked)
+    args = [*[f"--{a.removeprefix('--')}" for a in settings], "--sft.steps=60", "--sft.lr=1e-2",
+            "--sft.stop_at_train_ex=0", "--sft.eval_every=0", "--grpo.prompts_per_step=4",
+            "--grpo.group_size=4", "--grpo.dynamic_sampling=false", "--sampling.max_new_tokens=32",
+            "--sampling.max_decode_rows=3", "--env.max_turns=2", "--data.max_train_examples=64",
+            "--data.max_eval_examples=4", "--train.eval_every=0", "--train.sample_every=0", "--train.threads=1",
+            "--stream.sampling_steps_ahead=1", "--model.lora_rank=4", "--model.dtype=float16",
+            "--grpo.mask_truncated=true", "--grpo.rollout_is=token-tis", f"--train.out_dir={run}"]
+    env = torchrun_env() | {"OMP_NUM_THREADS": "1"}
+
+    def start(steps):
+        return Bounded([sys.executable, "train.py", "configs/tiny.yaml", *args, f"--train.steps={steps}"], cwd=ROOT,
+                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def trained():
+        path = run / "metrics.jsonl"
+        return [r for r in map(json.loads, open(path)) if "train/reward" in r] if path.exists() else []
+    p = start(200)
+    deadline = time.time() + 240
+    while len(trained()) < 2:
+        assert p.poll() is None, p.communicate()[0][-3000:]
+        assert time.time() < deadline, "no GRPO step 2 within 240 s"
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=120)
+    stopped = trained()[-1]["step"]
+    assert p.returncode == 130 and f"stopped (SIGINT) after step {stopped} of 200" in out, out[-3000:]
+    extra = torch.load(run / f"ckpt_{stopped:06d}" / "trainer.pt", weights_only=True)["extra"]
+    started = [e for c in extra["stream"][0]["chunks"] for e in c["episodes"] if e["seq"]["status"] != "new"]
+    assert started, "the Ctrl-C checkpoint holds no episode of the next step's chunk"
+    assert (run / f"ckpt_{stopped:06d}" / "adapter").exists()
+    p = start(stopped + 2)
+    out, _ = p.communicate(timeout=240)
+    assert p.returncode == 0 and f"resumed from {run}/ckpt_{stopped:06d}" in out, out[-3000:]
+    lines = trained()
+    assert [r["step"] for r in lines] == list(range(1, stopped + 3))  # none lost, none logged twice
+    assert all(r["train/staleness_max"] <= 1 for r in lines) and any(r["train/stale_token_frac"] > 0 for r in lines)
+    assert any(r["train/grad_norm"] > 0 for r in lines)  # rewards differ within groups: the adapters move
+    assert all(r["train/loss_scale"] > 0 for r in lines)  # the float16 loss scale ran every step
+    assert any(r["train/masked_frac"] > 0 for r in lines)  # truncated episodes left out of the loss
+    assert any("train/is_weight_mean" in r for r in lines)
