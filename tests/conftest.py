@@ -155,6 +155,16 @@ def build_tiny_assets(d: Path) -> list[str]:
     return settings
 
 
+@pytest.fixture(scope="module")
+def one_rank():
+    """The process group of a one-rank run (gloo on CPU, 60-s collectives), for tests that drive FSDP2
+    or the loss scaler in-process: the device."""
+    from trainer import distributed
+    rank, world, device = distributed.setup_dist(60)
+    assert (rank, world) == (0, 1)
+    return device
+
+
 @pytest.fixture(scope="session")
 def loop_assets(tmp_path_factory) -> list[str]:
     """The toy set and a tiny model, built once for the session: the `--group.key=value` arguments

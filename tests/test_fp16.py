@@ -19,13 +19,6 @@ from trainer import config_checks, distributed, optim
 from trainer.loss_scale import LossScaler
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    rank, world, device = distributed.setup_dist(60)
-    assert (rank, world) == (0, 1)
-    return device
-
-
 def full(t):
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 

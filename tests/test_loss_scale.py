@@ -17,21 +17,9 @@ import config as C
 import grpo
 import train
 from test_packing import make_model, make_trajs
-from test_train import read_metrics, run_scripted_loop
+from test_train import read_metrics, run_scripted_loop, weights
 from trainer import distributed, optim
 from trainer.loss_scale import MAX_SCALE, LossScaler
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    rank, world, device = distributed.setup_dist(60)
-    assert (rank, world) == (0, 1)
-    return device
-
-
-def full_weights(model) -> dict:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
 
 
 def update(dtype: torch.dtype, args: list[str], scaler: LossScaler | None = None):
@@ -46,10 +34,10 @@ def update(dtype: torch.dtype, args: list[str], scaler: LossScaler | None = None
     scaler = scaler or LossScaler(cfg.optim, dtype)
     trajs = make_trajs(n_groups=2, G=4)
     adv = [torch.full((len(t.token_turns()),), 1.0 if i % 2 else -1.0) for i, t in enumerate(trajs)]
-    before = full_weights(model)
+    before = weights(model)
     run = train.Run(model, None, None, opt, sch, scaler, None, cfg, None, 0, 1, torch.device("cpu"))
     metrics = train.update(run, trajs, adv)
-    after = full_weights(model)
+    after = weights(model)
     return metrics, {n: after[n] - before[n] for n in before}, scaler
 
 

@@ -16,13 +16,6 @@ from trainer import distributed
 from model import ModelArgs, Transformer
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    rank, world, device = distributed.setup_dist(60)
-    assert (rank, world) == (0, 1)
-    return device
-
-
 def tiny_transformer(seed=0):
     torch.manual_seed(seed)
     a = ModelArgs(model_type="qwen2", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
