@@ -71,6 +71,8 @@ class Engine:
         self.cache = PagedKVCache.for_model(model, n_blocks, bs, dtype or weight.dtype, cfg.paged_attention)
         self.runner = ModelRunner(model, self.cache, cfg, stopper.candidates(model.config.vocab_size),
                                   window=window_steps(cfg, self.device), greedy=greedy, logits_hook=logits_hook)
+        self.version = 0  # the weights' version each sampled token records (kept across resets)
+        self.resets = 0  # runs started on this pool: a caller sees whether another used it since its own
         self.reset(stopper, worst_case=worst_case, greedy=greedy, logits_hook=logits_hook)
 
     def reset(self, stopper: StopChecker, *, worst_case: list[int], greedy: bool = False, logits_hook=None,
@@ -97,8 +99,7 @@ class Engine:
         self.blocks = BlockManager(n_blocks, bs)
         self.scheduler = Scheduler(self.blocks, self.cfg.max_decode_rows, self.cfg.prefill_tokens, rows_in_place)
         self.runner.reset(stopper.candidates(self.model.config.vocab_size), greedy=greedy, logits_hook=logits_hook)
-        self.version = getattr(self, "version", 0)  # the weights' version each sampled token records (kept across resets)
-        self.resets = getattr(self, "resets", 0) + 1  # runs started on this pool: a caller sees whether another used it
+        self.resets += 1
         self.window = 1 if logits_hook is not None else window_steps(self.cfg, self.device)
         # what a benchmark reads: steps, and per decode step the live rows and the blocks in use
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "live_rows": 0, "blocks_used": 0, "tokens_live": 0}
