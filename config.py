@@ -24,6 +24,11 @@ from trainer.credits import CREDITS  # grpo.credit's values: the registered cred
 from trainer.losses import LOSSES  # grpo.loss's values: the registered losses
 
 
+def int_or_auto(default: int | str) -> Any:
+    """An int field that also takes the string "auto" (the code resolves it)."""
+    return field(default=default, metadata={"auto": True})
+
+
 def choice(default: str, *options: str, help: str = "") -> Any:
     """A str field restricted to a few values (checked when the config is loaded)."""
     assert default in options
@@ -144,7 +149,11 @@ class SamplingConfig:
     top_k: int = 0  # keep the k most likely tokens, >= 0; 0 = off
     max_new_tokens: int = 3000  # tokens one turn may generate, >= 1
     max_context: int = 29000  # tokens of prompt + every turn and observation, >= 2
-    kv_budget_tokens: int = 1_000_000  # KV cache tokens per rank, >= 1: rows run while their blocks fit
+    # KV cache tokens per rank, >= 1, or auto: kv_memory_fraction of the memory left after everything
+    # else the run holds at its peak, capped at what the work can use (trainer/memory.py). Rows run
+    # while their blocks fit. A number gives the same pool, so the same batches, on any machine
+    kv_budget_tokens: int | str = int_or_auto("auto")
+    kv_memory_fraction: float = 0.8  # auto: the KV pool's share of the memory left, in (0, 1]
     block_size: int = 16  # tokens per KV cache block (the unit of paging and prompt sharing), >= 1
     max_decode_rows: int = 0  # sequences decoding at once, >= 0; 0 = as many as the KV budget holds
     cuda_graphs: bool = True  # CUDA: replay the whole decode step from captured graphs (ignored on CPU)

@@ -31,8 +31,9 @@ from sqltask import chat, dataset
 from stream import RolloutStream
 from toy import tiny
 from trainer import checkpoint, config_checks, lora, malloc_tuning, optim, packing, policy_update, runguard
+from trainer.memory import size_kv_pool
 from trainer.distributed import (PeakMemory, all_gather_list, all_sum, close, compute_dtype, map_shared,
-                                 memory_estimate, param_count, setup_dist, shard)
+                                 param_count, setup_dist, shard)
 from trainer.loss_scale import LossScaler
 from trainer.policy_sampler import PolicySampler
 from trainer.run_log import Log, Phases
@@ -200,7 +201,7 @@ def main():
     # Checks that need no process group come first: a user error (runguard.run_main prints it once,
     # on rank 0) then stops every rank before any collective, warm start or checkpoint
     cfg = config_checks.validate(C.load_config(), runguard.launch_world())
-    if not cfg.model.build_tiny or (Path(cfg.model.path) / "config.json").exists():
+    if not cfg.model.build_tiny:  # a tiny model is checked once built (a build stopped midway is redone)
         config_checks.check_model_folder(cfg.model.path)
     out_dir_lock = runguard.lock_out_dir(cfg.train.out_dir) if runguard.launch_rank() == 0 else None  # held till exit
     rank, world, device = setup_dist(cfg.train.dist_timeout_s)
@@ -253,12 +254,10 @@ def main():
     if use_lora:
         spec = lora.apply(model, cfg.model)
         log.print(f"LoRA: rank {spec.rank}, alpha {spec.alpha:g}, targets {','.join(spec.targets)}, base {base_path}")
-    est = memory_estimate(model, cfg, world)
-    log.print("memory estimate per device (GB): " + ", ".join(f"{k} {v:.2f}" for k, v in est.items()))
-    if device.type == "cuda":
-        cap = torch.cuda.get_device_properties(device).total_memory / 1024 ** 3
-        if est["total"] > cap:
-            log.print(f"WARNING: estimated {est['total']:.1f} GB > device memory {cap:.1f} GB")
+    # memory: the KV pool sized (sampling.kv_budget_tokens auto) from what is left once the rest of the
+    # run is counted, and a config that cannot fit stopped here, before anything large is allocated
+    # (this rank already holds the loaded weights)
+    sampling_cfg, _ = size_kv_pool(model, cfg, world, device, len(eval_ex), log.print)
     model = shard(model, compute_dtype(cfg), cfg.model.fsdp_unit)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor: global count
     log.print(f"model: {param_count(model) / 1e6:.2f}M params, {trainable / 1e6:.3f}M trainable, world {world}, "
@@ -267,7 +266,7 @@ def main():
     optimizer, scheduler = optim.make_optimizer(model, optim_cfg, optim_cfg.lr, optim_cfg.warmup_steps,
                                           cfg.train.steps * cfg.grpo.ppo_epochs * cfg.grpo.mini_batches)
     # the sampler: an inference copy of the policy in the compute dtype and one engine, kept for the run
-    sampler = PolicySampler(model, cfg.sampling, dtype=compute_dtype(cfg))
+    sampler = PolicySampler(model, sampling_cfg, dtype=compute_dtype(cfg))
     # float16: dynamic loss scaling, one scaler from the warm start through GRPO (inactive otherwise)
     scaler = LossScaler(optim_cfg, compute_dtype(cfg), warn=log.print)
     if cfg.model.dtype != "float32":

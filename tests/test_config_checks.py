@@ -19,7 +19,12 @@ from conftest import ROOT
 
 
 def numeric_keys():
-    return sorted(k for k, v in C.all_keys().items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+    """Keys whose default is a number, and int keys that default to "auto" (config.int_or_auto)."""
+    import dataclasses
+    auto = {f"{group.name}.{f.name}" for group in dataclasses.fields(C.Config)
+            for f in dataclasses.fields(group.default_factory()) if f.metadata.get("auto")}
+    return sorted(k for k, v in C.all_keys().items()
+                  if (isinstance(v, (int, float)) and not isinstance(v, bool)) or k in auto)
 
 
 def test_every_numeric_key_has_a_range():
@@ -44,7 +49,7 @@ def outside(rule: str, value):
 def test_each_value_outside_its_range_is_refused_naming_the_key(key):
     rule, _ = config_checks.RANGES[key]
     default = C.all_keys()[key]
-    bad = outside(rule, default)
+    bad = outside(rule, 1 if default == "auto" else default)  # an int_or_auto key: an int outside its range
     assert bad is not None, f"{key}: an int key with rule 'any' takes every value: give it a range"
     group, name = key.split(".")
     cfg = C.Config()
@@ -58,6 +63,14 @@ def test_every_shipped_config_and_the_defaults_pass(path):
     for world in (1, 2, 8, 16):
         config_checks.validate(C.load_config([str(path)]), world)
     config_checks.validate(C.Config())
+
+
+def test_an_int_or_auto_key_takes_auto_or_an_int_and_nothing_else():
+    assert C.load_config([]).sampling.kv_budget_tokens == "auto"
+    assert C.load_config(["--sampling.kv_budget_tokens=65536"]).sampling.kv_budget_tokens == 65536
+    for bad in ("Auto", "1e5", "true", "[1"):
+        with pytest.raises(C.ConfigError, match="sampling.kv_budget_tokens' wants an int or auto"):
+            C.load_config([f"--sampling.kv_budget_tokens={bad}"])
 
 
 def test_the_silently_wrong_values_of_the_issue_are_all_named_at_once():

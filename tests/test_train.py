@@ -15,7 +15,7 @@ import torch
 
 from trainer import checkpoint
 import config as C
-from trainer import distributed
+from trainer import distributed, memory
 from trainer import optim
 import rollout
 import stream
@@ -669,7 +669,7 @@ def test_memory_estimate_of_the_7b_recipe_fits_80gb():
         m = Transformer(ModelArgs.from_hf(hf))
     assert 7.5e9 < sum(p.numel() for p in m.parameters()) < 7.7e9
     cfg = C.load_config([str(ROOT / "configs" / "skyrl_sql_7b.yaml")])
-    est = distributed.memory_estimate(m, cfg, world=8)
+    est = memory.memory_estimate(m, cfg, world=8)
     parts = est["params"] + est["adam"] + est["rollout_weights"] + est["kv_cache"]
     assert abs(est["resident"] - parts) < 1e-9
     assert abs(est["update"] - (parts + est["grads"] + est["gathered_unit"] + est["unit_grads"]
@@ -701,7 +701,7 @@ def test_memory_estimate_counts_the_one_rank_fsdp2_layout():
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16))
     n, gb = sum(p.numel() for p in m.parameters()), 1024 ** 3
     for dtype, unsharded_bytes in (("bfloat16", 2), ("float32", 4)):
-        est = distributed.memory_estimate(m, C.load_config([f"--model.dtype={dtype}"]), world=1)
+        est = memory.memory_estimate(m, C.load_config([f"--model.dtype={dtype}"]), world=1)
         assert abs(est["params"] - 4 * n / gb) < 1e-12 and abs(est["adam"] - 8 * n / gb) < 1e-12
         assert abs(est["rollout_weights"] - unsharded_bytes * n / gb) < 1e-12
 

