@@ -128,6 +128,12 @@ class Trajectory:
             out.append({"text": tokenizer.decode(self.ids[start:end]), "observation": tokenizer.decode(self.ids[end:nxt])})
         return out
 
+    def token_ages(self, step: int) -> list[int]:
+        """Each loss token's age at the trainer's step `step`: step minus the version of the weights
+        that sampled it (versions), in the order token_turns lists the tokens. 0 for every token of
+        a synchronous step; up to stream.sampling_steps_ahead when sampling runs ahead."""
+        return [step - v for v, m in zip(self.versions[1:], self.loss_mask[1:]) if m]
+
     def token_turns(self) -> list[int]:
         """The turn (0 = the first) of each loss token: positions j >= 1 with loss_mask[j] = 1, in
         order (what packing scores). Every sampled token lies in its turn's span."""

@@ -244,7 +244,7 @@ class RolloutStream:
         trained episode; staleness_mean / _max: steps between the weights that sampled each trained
         token and the step training it; stale_token_frac: the share of trained tokens sampled by
         older weights."""
-        ages = [step - v for t in trained for v, m in zip(t.versions[1:], t.loss_mask[1:]) if m]
+        ages = [age for t in trained for age in t.token_ages(step)]
         steps, rows, episodes, age_sum, stale, tokens = all_sum(
             [self.decode_steps, self.live_row_steps, len(trained), sum(ages), sum(a > 0 for a in ages), len(ages)],
             device)

@@ -144,7 +144,7 @@ def grpo_step(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list, 
         n_trained = all_sum([len(trajs)], run.device)[0]
     if n_trained > 0:  # every rank joins the update (FSDP collectives), even one with no episode to train
         with phase("update"):
-            metrics = update(run, trajs, advantages)
+            metrics = update(run, trajs, advantages, step)
     else:  # all groups had equal rewards (or every kept episode was masked): nothing to learn from, not an error
         why = "every kept episode was truncated (grpo.mask_truncated)" if n_kept else "every group had equal rewards"
         run.log.print(f"step {step + 1}: {why}: no update")
@@ -157,13 +157,14 @@ def grpo_step(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list, 
     return kept, seen, metrics
 
 
-def update(run: Run, trajs: list, advantages: list[torch.Tensor]) -> dict:
+def update(run: Run, trajs: list, advantages: list[torch.Tensor], step: int = 0) -> dict:
     """The update of one batch: old / reference logprobs once, then per mini-batch (grpo.ppo_epochs x
     grpo.mini_batches slices) each micro-batch's packed forward, its LossInputs, grpo.policy_loss,
     backward (float16: of the loss times run.scaler's scale), and one optimizer step. advantages[i]:
-    trajectory i's, one per loss token. Returns the update's metrics (policy_update.UpdateMetrics.summary)."""
+    trajectory i's, one per loss token; step: the trainer's step (each token's age is step minus the
+    version that sampled it). Returns the update's metrics (policy_update.UpdateMetrics.summary)."""
     cfg, grpo_cfg, model = run.cfg, run.cfg.grpo, run.model
-    tokens = policy_update.batch_tokens(model, run.ref_model, trajs, advantages, cfg, run.device)  # per sequence
+    tokens = policy_update.batch_tokens(model, run.ref_model, trajs, advantages, cfg, run.device, step)  # per seq.
     metrics = policy_update.UpdateMetrics()
     for idx in policy_update.mini_batches(len(trajs), grpo_cfg):
         norm = grpo.global_norm(policy_update.loss_masks(trajs, idx), grpo_cfg.loss_agg)  # every rank: a collective
