@@ -211,8 +211,8 @@ class GRPOConfig:
 class StreamConfig:
     # steps the sampler may run ahead of the trainer (tinker's sampling_steps_ahead), >= 0. 0 = synchronous:
     # a step samples its prompts, waits for its last episode, trains. k >= 1: the sampler keeps decoding
-    # across step boundaries, starting the next steps' groups as rows free up (at most one chunk's rows
-    # open, chunks up to k past the step's own); no trained token is older than k steps (stream.py)
+    # across step boundaries, starting the next steps' groups as episodes end (at most one rank share's
+    # episodes open, chunks up to k past the step's own); no trained token is older than k steps (stream.py)
     sampling_steps_ahead: int = 0
     # after a weight sync, recompute the KV cache of the episodes in flight from their ids with the new
     # weights (NeMo-RL's recompute_kv_cache_after_weight_updates); false keeps it (PipelineRL)

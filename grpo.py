@@ -4,6 +4,10 @@ rollout importance correction, and the loss's input record. Tensor functions on 
 step that calls them is train.grpo_step (sample, reward, keep mask, credit, update, sync), whose
 update loop (train.update) builds one LossInputs per micro-batch and calls policy_loss on it.
 
+A group is the grpo.group_size episodes sampled from one prompt, laid out together (prompt p's at
+p*G .. p*G+G-1): the advantage compares the episodes of a group, dynamic sampling keeps or drops a
+group whole, and the stream starts a group's episodes together (the word means nothing else here).
+
 Where to edit for an ablation:
   - the credit: one returns function registered in trainer/credits.py (`outcome_returns` is the
     default; `lookup_bonus_returns` and `turn_discount_returns` are per-turn credits), picked by

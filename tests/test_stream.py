@@ -151,11 +151,11 @@ def test_k0_steps_equal_rollout_then_reward_rounds(assets, monkeypatch):
     want = [m for _, _, m in steps(run, stream, 3)]
     stream.close()
     # the stream's own metrics: the reference path neither counts the engine's steps nor sets its version
-    own = ("live_row_share", "decode_steps_per_episode", "staleness_mean", "staleness_max", "stale_token_frac")
+    own = ("live_row_frac", "decode_steps_per_episode", "staleness_mean", "staleness_max", "stale_token_frac")
     for g, w in zip(got, want):
         assert g.get("grad_norm", 0) > 0  # the weights moved: later steps compare something
         assert {k: v for k, v in g.items() if k not in own} == {k: v for k, v in w.items() if k not in own}
-        assert (g["staleness_max"], g["stale_token_frac"]) == (0.0, 0.0) and 0 < g["live_row_share"] <= 1
+        assert (g["staleness_max"], g["stale_token_frac"]) == (0.0, 0.0) and 0 < g["live_row_frac"] <= 1
 
 
 # -----------------------------------------------------------------------------
