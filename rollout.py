@@ -22,7 +22,8 @@ keep decoding (ToolCalls; env.tool_wait: fixed = collected a fixed number of eng
 async = as soon as they arrive). Randomness is counter-based per (seed, trajectory, position)
 (engine/sampling.py): batching, sharing, evictions and timing never change a sample. Every
 sampled token also records the version of the weights that sampled it (Trajectory.versions:
-Engine.version, which a streaming GRPO step advances at each weight sync).
+Engine.version, which stream.py sets to the GRPO step whose weights the sampler holds; rollout()
+leaves it as it is).
 
 Tests: .venv/bin/pytest tests/test_rollout.py tests/test_engine.py tests/test_rollout_share.py
 Benchmarks: bench/sampler.py, bench/multiturn.py, bench/rollout_scale.py

@@ -60,7 +60,7 @@ def test_every_shipped_config_and_the_defaults_pass(path):
     config_checks.validate(C.Config())
 
 
-def test_the_silently_wrong_values_of_the_issue_are_all_named_at_once():
+def test_silently_wrong_values_are_all_named_at_once():
     """group_size 1 (advantage 0 for every sample: nothing learned), temperature -1 (the sampler goes
     greedy while the trainer divides logits by -1), max_turns 0 (one turn ran anyway)."""
     cfg = C.load_config(["--grpo.group_size=1", "--sampling.temperature=-1", "--env.max_turns=0"])
@@ -196,7 +196,7 @@ def test_model_folder_checks(tmp_path):
     config_checks.check_model_folder(str(good))
     with pytest.raises(C.ConfigError, match="model.path .*nope: no such folder"):
         config_checks.check_model_folder(str(tmp_path / "nope"))
-    only_config = tmp_path / "only_config"  # the issue: "chat_template is not set" from deep inside
+    only_config = tmp_path / "only_config"  # once: "chat_template is not set" from deep inside
     only_config.mkdir()
     shutil.copy(good / "config.json", only_config)
     with pytest.raises(C.ConfigError, match="--model .*only_config: no tokenizer"):
