@@ -248,7 +248,7 @@ def test_open_episodes_never_exceed_one_rank_share(assets):
         most.append(len(stream.loop.open) + len(ended))  # open right after the add, before any ended at once
         return ended
     stream.loop.add = add_and_count
-    steps(run, stream, 4)
+    steps(run, stream, 3)
     stream.close()
     assert max(most) == stream.share_episodes, (most, stream.share_episodes)  # never above the cap, and reached
     assert len(most) > 4  # groups also started mid-round, as rows freed up
@@ -260,7 +260,7 @@ def test_a_chunk_decoded_ahead_equals_the_same_chunk_decoded_synchronously(asset
     chunk's keys come from its index, not from the round that happens to start it."""
     def chunks(ahead):
         run, stream, _ = make_run(config(assets, stream__sampling_steps_ahead=ahead))
-        out = [[(e.trajectory.seq.key, list(e.trajectory.ids)) for e in stream.next_round(step)] for step in range(4)]
+        out = [[(e.trajectory.seq.key, list(e.trajectory.ids)) for e in stream.next_round(step)] for step in range(3)]
         stream.close()
         return out
     sync, ahead = chunks(0), chunks(1)
@@ -285,7 +285,7 @@ def test_a_round_recomputes_the_kv_in_flight_only_under_recompute_kv(assets, mon
     monkeypatch.setattr(Engine, "readmit", counting)
     run, stream, _ = make_run(cfg)
     in_flight_at_steps = []
-    steps(run, stream, 4, each=lambda *a: in_flight_at_steps.append(len(stream.loop.open)))
+    steps(run, stream, 3, each=lambda *a: in_flight_at_steps.append(len(stream.loop.open)))
     stream.close()
     assert any(in_flight_at_steps[:-1])  # episodes were in flight across a step boundary
     if recompute:

@@ -212,15 +212,13 @@ def test_two_runs_starting_at_once_build_the_assets_once(tmp_path):
     assert not [p for p in shared.rglob("*") if p.name.endswith(".tmp")]
 
 
-def test_a_tiny_model_built_beside_data_it_does_not_prepare_is_built_once(tmp_path, capsys):
+def test_a_tiny_model_built_beside_data_it_does_not_prepare_is_built_once(tmp_path, capsys, loop_assets):
     """model.build_tiny with data.prepare_toy false (a tiny model on data the run does not build):
     once built, its folder holds no 'unfinished' stamp (a model not trained on the toy set gets
     none), so the next run uses it instead of building it again."""
     import config as C
-    from conftest import build_tiny_assets
-    settings = build_tiny_assets(tmp_path)
     own = tmp_path / "own_model"
-    cfg = C.load_config(["--" + a for a in settings] + ["--data.prepare_toy=false", f"--model.path={own}"])
+    cfg = C.load_config(loop_assets + ["--data.prepare_toy=false", f"--model.path={own}"])
     capsys.readouterr()
     for _ in range(2):
         tiny.prepare_assets(cfg, Transformer, sft.gold_texts)
