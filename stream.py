@@ -37,7 +37,8 @@ chunk's last episode (a step trains whole groups, a chunk in order).
   chunk, so c_{v+k} >= c_v + k and the chunk is trained at step v + k at the latest: no trained
   token is more than k steps old, by construction (step_metrics logs the staleness).
 - The loss then holds three policies: the sampler's recorded logprobs are the behaviour policy, the
-  trainer's old logprobs the proximal one; grpo.py's rollout correction weighs between them.
+  trainer's old logprobs the proximal one; grpo.py's rollout correction weighs between them, and
+  reads each token's age (its step minus its version: Trajectory.token_ages, LossInputs.ages).
 - Another user of the engine (the evals: rollout() resets it) pauses the stream: at its next round
   the stream resets the engine and recomputes the KV of the episodes in flight from their ids, by
   the same weights (an eval runs after the sync); their tool calls keep running in the background.
