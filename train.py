@@ -102,16 +102,16 @@ class Run:
 
 
 def collect(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list[Episode], list[Episode]]:
-    """A step's episodes: (kept, seen), this rank's. A round is the stream's next chunk: this rank's
-    share of the next grpo.prompts_per_step prompts, grpo.group_size episodes each, every one ended
-    and rewarded (stream.next_round; with stream.sampling_steps_ahead >= 1 most of it was decoded
-    during the steps before). Then the keep mask (dynamic sampling: groups whose rewards, or
-    verdicts, are all equal carry no signal). Rounds repeat, at most grpo.max_resample_rounds more,
-    until prompts_per_step groups are kept over all ranks; kept is cut to this rank's share, seen
-    holds every sampled episode (the step's metrics are over them)."""
+    """A step's episodes: (kept, seen), this rank's. A round (stream.next_round) gives this rank's
+    share of the next chunk (grpo.prompts_per_step prompts over all ranks), a group of episodes for
+    each prompt, every one ended and rewarded (with stream.sampling_steps_ahead >= 1 most of it was
+    decoded during the steps before). Then the keep mask (dynamic sampling: groups whose rewards,
+    or verdicts, are all equal carry no signal). Refill rounds follow, at most
+    grpo.max_resample_rounds, until prompts_per_step groups are kept over all ranks; kept is cut to
+    a rank share's episodes, seen holds every sampled episode (the step's metrics are over them)."""
     grpo_cfg = run.cfg.grpo
     G, P = grpo_cfg.group_size, grpo_cfg.prompts_per_step
-    share = P // run.world * G  # this rank's episodes a step
+    share_episodes = P // run.world * G  # episodes of a rank share: what this rank trains a step
     kept, seen = [], []
     for _ in range(1 + (grpo_cfg.max_resample_rounds if grpo_cfg.dynamic_sampling else 0)):
         episodes = stream.next_round(step, phase, first_group=len(seen) // G)
@@ -119,13 +119,15 @@ def collect(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list[Epi
         keep = grpo.keep_mask(episodes, G, grpo_cfg.dynamic_sampling_metric) if grpo_cfg.dynamic_sampling \
             else [True] * len(episodes)
         kept += [e for e, keep_it in zip(episodes, keep) if keep_it]
-        if not grpo_cfg.dynamic_sampling or all_sum([min(len(kept), share)], run.device)[0] >= P * G:
+        if not grpo_cfg.dynamic_sampling or all_sum([min(len(kept), share_episodes)], run.device)[0] >= P * G:
             break
-    return kept[:share], seen
+    return kept[:share_episodes], seen
 
 
 def grpo_step(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list, list, dict]:
-    """One GRPO step, every move in order: sample and reward (collect, with the keep mask), the
+    """One GRPO step, every move in order. A step (the word alone always means this one) trains one
+    batch of groups with one update, and the trainer at step s holds the weights of version s (each
+    sampled token records its version: Trajectory.versions). Its moves: sample and reward (collect, with the keep mask), the
     credit (grpo.token_advantages: each loss token's advantage; grpo.loss_episodes: which episodes
     enter the loss, all but the truncated ones with grpo.mask_truncated), the update (update, below: old /
     reference logprobs once, then per mini-batch each micro-batch's packed forward, grpo.policy_loss
@@ -145,7 +147,7 @@ def grpo_step(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list, 
         n_trained = all_sum([len(trajs)], run.device)[0]
     if n_trained > 0:  # every rank joins the update (FSDP collectives), even one with no episode to train
         with phase("update"):
-            metrics = update(run, trajs, advantages)
+            metrics = update(run, trajs, advantages, step)
     else:  # all groups had equal rewards (or every kept episode was masked): nothing to learn from, not an error
         why = "every kept episode was truncated (grpo.mask_truncated)" if n_kept else "every group had equal rewards"
         run.log.print(f"step {step + 1}: {why}: no update")
@@ -158,13 +160,14 @@ def grpo_step(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list, 
     return kept, seen, metrics
 
 
-def update(run: Run, trajs: list, advantages: list[torch.Tensor]) -> dict:
+def update(run: Run, trajs: list, advantages: list[torch.Tensor], step: int = 0) -> dict:
     """The update of one batch: old / reference logprobs once, then per mini-batch (grpo.ppo_epochs x
     grpo.mini_batches slices) each micro-batch's packed forward, its LossInputs, grpo.policy_loss,
     backward (float16: of the loss times run.scaler's scale), and one optimizer step. advantages[i]:
-    trajectory i's, one per loss token. Returns the update's metrics (policy_update.UpdateMetrics.summary)."""
+    trajectory i's, one per loss token; step: the trainer's step (each token's age is step minus the
+    version that sampled it). Returns the update's metrics (policy_update.UpdateMetrics.summary)."""
     cfg, grpo_cfg, model = run.cfg, run.cfg.grpo, run.model
-    tokens = policy_update.batch_tokens(model, run.ref_model, trajs, advantages, cfg, run.device)  # per sequence
+    tokens = policy_update.batch_tokens(model, run.ref_model, trajs, advantages, cfg, run.device, step)  # per seq.
     metrics = policy_update.UpdateMetrics()
     for idx in policy_update.mini_batches(len(trajs), grpo_cfg):
         norm = grpo.global_norm(policy_update.loss_masks(trajs, idx), grpo_cfg.loss_agg)  # every rank: a collective
@@ -343,7 +346,7 @@ def main():
                       f"turns {summary['turns']:.2f} tools {summary['tool_calls']:.2f} | "
                       f"clip {step_metrics.get('clip_frac', 0):.3f} gnorm {step_metrics.get('grad_norm', 0):.3f} | "
                       + (f"scale {scaler.scale_value:g} skips {scaler.overflow_skips} | " if scaler.active else "")
-                      + f"{tok_s:.0f} tok/s live {step_metrics['live_row_share']:.2f}"
+                      + f"{tok_s:.0f} tok/s live {step_metrics['live_row_frac']:.2f}"
                       + (f" stale {step_metrics['staleness_mean']:.2f}" if cfg.stream.sampling_steps_ahead else "")
                       + f" | rollout {seconds['rollout']:.1f}s reward {seconds['reward']:.1f}s "
                       f"update {seconds.get('update', 0.0):.1f}s | ETA {eta / 60:.1f} min")

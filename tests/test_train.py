@@ -615,7 +615,7 @@ def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *arg
     monkeypatch.setattr(train, "evaluate", lambda *a, **k: {"eval/ex": 0.0})
     monkeypatch.setattr(train, "report_random_floor", lambda *a, **k: None)
     given = {}  # the advantages train.update was handed; each mini-batch records its share of them
-    monkeypatch.setattr(policy_update, "batch_tokens", lambda model, ref, trajs, advantages, cfg, device:
+    monkeypatch.setattr(policy_update, "batch_tokens", lambda model, ref, trajs, advantages, cfg, device, step:
                         given.update(advantages=advantages))
     monkeypatch.setattr(policy_update, "micro_batches", lambda model, trajs, idx, cfg, device: iter(updates.append(
         ([trajs[i].tag for i in idx], [float(given["advantages"][i][0]) for i in idx])) or ()))
@@ -709,7 +709,7 @@ def test_memory_estimate_counts_the_one_rank_fsdp2_layout():
 def test_load_splits_reports_both_files_at_once_and_skips_failing_golds(tmp_path, tiny_model):
     """Data problems of both splits (a malformed line, a 0-byte database) in one error before the
     warm start; a gold that fails on its database is skipped and named; every gold failing is an
-    error (the issue: a run whose golds all failed trained to the end, reward never 1)."""
+    error (a run whose golds all failed used to train to the end, reward never 1)."""
     from sqltask import dataset
     from toy.prepare_toy import prepare_toy
     toy = tmp_path / "toy"
