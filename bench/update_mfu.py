@@ -139,7 +139,7 @@ def microbatch_flops(a: ModelArgs, n_params: int, mb, width: int, kernel: str) -
         kernel_pairs = B * width * (width + 1) // 2
     else:
         rows = packed_attention.segment_rows([r.doc for r in mb.rows], [r.seg for r in mb.rows], width, "cpu")
-        kernel_pairs = sum(R * S * (S + 1) // 2 for R, S in rows.shapes)
+        kernel_pairs = sum(R * S * (S + 1) // 2 for R, S in (tuple(g.shape) for g in rows.gather))
     return {"tokens": tokens, "width_tokens": B * width, "loss_tokens": loss_tokens, "pairs": pairs,
             "kernel_pairs": kernel_pairs,
             "useful": flops(a, n_params, tokens, loss_tokens, pairs, recompute=False),

@@ -58,7 +58,7 @@ def test_buckets_cut_padding():
     # lengths 20, 19 and 5, 5: two buckets, neither padded past its own longest row
     docs = [[0] * 20 + [1] * 5, [0] * 19 + [1] * 5]
     layout = segment_rows(docs, [[0] * 25, [0] * 24], 25, "cpu")
-    assert sorted(layout.shapes) == [(2, 5), (2, 20)]
+    assert sorted(tuple(x.shape) for x in layout.gather) == [(2, 5), (2, 20)]
 
 
 # -----------------------------------------------------------------------------

@@ -4,7 +4,7 @@ itself, never to its siblings or other units; a lone sequence is plainly causal.
 The implementation is chosen by device, once per micro-batch (`for_rows`); the model calls
 `attend(q, k, v, layer)` on what it gets, whichever it is:
 
-- CPU, SegmentRows: every sequence cut into its own short causal attention row. SDPA with a
+- CPU, SegmentRows: every sequence gathered into its own short causal attention row. SDPA with a
   dense (B, 1, T, T) mask computes all T² pairs of a row (the CPU flash kernel skips nothing),
   almost all of them masked: a 16k-token row of 134-token sequences is >99% masked pairs. Here
   attention runs on *attention rows*, one per sequence, [prompt | own response], right-padded
@@ -62,112 +62,75 @@ BUCKET_FILL = 0.9
 
 @dataclass
 class SegmentRows:
-    """Where each packed token sits in the attention rows (for_rows on a CPU), as contiguous spans.
-
-    The flat (B*T) token axis is cut into spans in order (`sizes`): each unit's prompt, each of its
-    responses (a lone sequence is one span), each packed row's padding. An attention row is one or
-    two spans ([prompt | response]) then zeros up to its bucket's width, so a bucket is one
-    torch.cat of spans: its backward is a split, a copy. (Gathering rows with index_select instead
-    costs a scatter-add per tensor and layer in backward: on a 2-core CPU, 0.9 of the 1.2 s that
-    one SmolLM2-135M layer's attention took over a 3.1k-token row of 4 prompts x 4 responses.)
-    The outputs are cut the same way (`out_sizes`) and put back in flat order (`out_order`)."""
-    sizes: list[int]  # the flat token axis in spans, in order (sum: B*T)
-    buckets: list[tuple[int, list[tuple[list[int], int]]]]  # (S, per row: (its span indices, padding))
-    out_sizes: list[int]  # the buckets' concatenated (R*S) outputs in spans, in order
-    out_order: list[int]  # per flat span: the output span holding its tokens, or -1 - n for n padding tokens
-
-    @property
-    def shapes(self) -> list[tuple[int, int]]:
-        """(rows, width) of each bucket: one SDPA call each."""
-        return [(len(rows), S) for S, rows in self.buckets]
+    """Where each packed token sits in the attention rows (for_rows on a CPU)."""
+    gather: list[torch.Tensor]  # per bucket (R, S) long: flat packed index b*T + t of attention row r's token s
+    scatter: torch.Tensor  # (B*T,) long: index into the buckets' concatenated (R*S) outputs, per packed token
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> torch.Tensor:
-        """q (B, T, H, D), k, v (B, T, Hk, D) -> (B, T, H, D). Differentiable (split and cat)."""
+        """q (B, T, H, D), k, v (B, T, Hk, D) -> (B, T, H, D). Differentiable (index_select)."""
         B, T, H, D = q.shape
         Hk = k.shape[2]
-        spans = [x.reshape(B * T, -1).split(self.sizes) for x in (q, k, v)]
+        qf, kf, vf = q.reshape(B * T, H * D), k.reshape(B * T, Hk * D), v.reshape(B * T, Hk * D)
         outs = []
-        for S, rows in self.buckets:
-            R = len(rows)
-            qs, ks, vs = (_bucket(parts, rows).view(R, S, heads, D).transpose(1, 2)
-                          for parts, heads in zip(spans, (H, Hk, Hk)))
-            # right padding after each row's tokens: causal, so no real query reaches it
+        for idx in self.gather:
+            R, S = idx.shape
+            flat = idx.reshape(-1)
+            # (R, S, heads, D) gathered, then the (R, heads, S, D) view SDPA reads
+            qs = qf.index_select(0, flat).view(R, S, H, D).transpose(1, 2)
+            ks = kf.index_select(0, flat).view(R, S, Hk, D).transpose(1, 2)
+            vs = vf.index_select(0, flat).view(R, S, Hk, D).transpose(1, 2)
             y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=Hk != H)
             outs.append(y.transpose(1, 2).reshape(R * S, H * D))
         flat_out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        pieces = flat_out.split(self.out_sizes)
-        return torch.cat([pieces[i] if i >= 0 else flat_out.new_zeros(-1 - i, H * D)
-                          for i in self.out_order]).view(B, T, H, D)
-
-
-def _bucket(spans: tuple[torch.Tensor, ...], rows: list[tuple[list[int], int]]) -> torch.Tensor:
-    """(R*S, width): each row's spans, then its padding (zeros), one row after another."""
-    parts = []
-    for span_ids, pad in rows:
-        parts += [spans[i] for i in span_ids]
-        if pad:
-            parts.append(spans[0].new_zeros(pad, spans[0].shape[1]))
-    return torch.cat(parts)
+        return flat_out.index_select(0, self.scatter).view(B, T, H, D)
 
 
 def segment_rows(docs: list[list[int]], segs: list[list[int]], width: int, device) -> SegmentRows:
     """docs, segs: per packed row, each token's unit index and segment (0 = the unit's shared
     prompt, or the whole sequence of a unit of one; j + 1 = response j), as packing.Row holds
-    them (each unit, and each of its segments, contiguous); width: T, the padded row width.
-    Padding tokens (t >= len(row)) get zeros: no real token attends to them and they carry no
-    loss. device: unused (the layout is plain lists)."""
-    sizes: list[int] = []  # the flat token axis in spans
-    seq_rows: list[list[int]] = []  # each attention row's spans: [own] or [prompt, own]
-    for doc, seg in zip(docs, segs):
-        t = 0
-        while t < len(doc):  # one unit: its prompt span (seg 0), then one span per response
-            unit, spans = doc[t], {}
-            while t < len(doc) and doc[t] == unit:
-                start, part = t, seg[t]
-                while t < len(doc) and doc[t] == unit and seg[t] == part:
-                    t += 1
-                if part in spans:
-                    raise ValueError("segment_rows: a unit's segment must be one contiguous span")
-                spans[part] = len(sizes)
-                sizes.append(t - start)
-            responses = [spans[p] for p in sorted(spans) if p]
+    them; width: T, the padded row width. Padding tokens (t >= len(row)) get any output: no
+    real token attends to them and they carry no loss."""
+    seq_rows: list[list[int]] = []  # flat packed indices of each attention row
+    owner: list[tuple[int, int]] = []  # per packed token with an output: (attention row, offset)
+    flat_tok: list[int] = []
+    for b, (doc, seg) in enumerate(zip(docs, segs)):
+        base = b * width
+        units: dict[int, dict[int, list[int]]] = {}
+        for t, (d, s) in enumerate(zip(doc, seg)):
+            units.setdefault(d, {}).setdefault(s, []).append(base + t)
+        for parts in units.values():
+            prompt = parts.get(0, [])
+            responses = [parts[s] for s in sorted(parts) if s]
             if not responses:  # a lone sequence: one causal row
-                seq_rows.append([spans[0]])
-            else:
-                seq_rows += [[spans[0], r] if 0 in spans else [r] for r in responses]
-        if width > len(doc):
-            sizes.append(width - len(doc))  # the row's padding: a span no attention row reads
+                responses, prompt = [prompt], []
+            for j, resp in enumerate(responses):
+                r = len(seq_rows)
+                seq_rows.append(prompt + resp)
+                own = resp if j else prompt + resp  # the prompt's outputs: from the first row
+                start = 0 if j == 0 else len(prompt)
+                flat_tok += own
+                owner += [(r, start + i) for i in range(len(own))]
     if not seq_rows:
         raise ValueError("segment_rows: no tokens")
-    length = [sum(sizes[i] for i in row) for row in seq_rows]
     # buckets: rows longest first; a new bucket once a row is shorter than BUCKET_FILL x its longest
-    order = sorted(range(len(seq_rows)), key=lambda r: -length[r])
-    groups: list[list[int]] = []
+    order = sorted(range(len(seq_rows)), key=lambda r: -len(seq_rows[r]))
+    buckets: list[list[int]] = []
     for r in order:
-        if not groups or length[r] < BUCKET_FILL * length[groups[-1][0]]:
-            groups.append([])
-        groups[-1].append(r)
-    # the outputs: every attention row's tokens in bucket order; a shared prompt's are read from its
-    # unit's first response row (a causal prompt sees only itself: the same in every row)
-    first_row: dict[int, int] = {}  # flat span -> the first attention row holding it
-    for r, row in enumerate(seq_rows):
-        for i in row:
-            first_row.setdefault(i, r)
-    out_sizes: list[int] = []
-    source: dict[int, int] = {}  # flat span -> output span
-    buckets = []
-    for rows in groups:
-        S = length[rows[0]]
-        buckets.append((S, [(seq_rows[r], S - length[r]) for r in rows]))
-        for r in rows:
-            for i in seq_rows[r]:
-                if first_row[i] == r:
-                    source[i] = len(out_sizes)
-                out_sizes.append(sizes[i])
-            if S > length[r]:
-                out_sizes.append(S - length[r])  # the row's padding outputs: read by no span
-    out_order = [source[i] if i in source else -1 - n for i, n in enumerate(sizes)]
-    return SegmentRows(sizes, buckets, out_sizes, out_order)
+        if not buckets or len(seq_rows[r]) < BUCKET_FILL * len(seq_rows[buckets[-1][0]]):
+            buckets.append([])
+        buckets[-1].append(r)
+    gather, where, offset = [], {}, 0  # where[r] = flat output index of attention row r's token 0
+    for rows in buckets:
+        S = len(seq_rows[rows[0]])
+        # padding keys repeat the row's first token: causal, so no real query reaches them
+        gather.append(torch.tensor([seq_rows[r] + [seq_rows[r][0]] * (S - len(seq_rows[r])) for r in rows],
+                                   dtype=torch.long, device=device))
+        for i, r in enumerate(rows):
+            where[r] = offset + i * S
+        offset += len(rows) * S
+    scatter = torch.zeros(len(docs) * width, dtype=torch.long)
+    scatter[torch.tensor(flat_tok, dtype=torch.long)] = torch.tensor([where[r] + s for r, s in owner], dtype=torch.long)
+    return SegmentRows(gather, scatter.to(device))
 
 # -----------------------------------------------------------------------------
 # CUDA: FlexAttention over the rows, masked blocks skipped
