@@ -82,6 +82,10 @@ class DataConfig:
     max_prompt_tokens: int = 6000  # prompts longer than this many tokens are dropped (and counted), >= 1
     max_train_examples: int = 0  # use the first N training records, >= 0; 0 = all
     max_eval_examples: int = 0  # use the first N held-out records, >= 0; 0 = all
+    # a second held-out set, evaluated beside eval_path (logged as unseen/*): questions on databases
+    # training never reads, so what carries over to a new schema ("" = none)
+    unseen_eval_path: str = ""
+    max_unseen_examples: int = 0  # use the first N of them, >= 0; 0 = all
 
 
 @dataclass

@@ -42,26 +42,30 @@ from trainer.run_log import Log, Phases
 # data and prompts
 
 
-def load_splits(tok, cfg: C.Config, log: Log, rank: int, world: int) -> tuple[list[dict], list[dict]]:
-    """(train, eval) records. Every problem of both files and their databases is reported at once
-    (DatasetError); records whose gold query fails on its database are dropped and counted (each
-    rank runs a share of the golds; all ranks drop the same ones), as are those whose prompt
+def load_splits(tok, cfg: C.Config, log: Log, rank: int, world: int) -> tuple[list[dict], dict[str, list[dict]]]:
+    """(train records, held-out records by log prefix: "eval", and "unseen" when
+    data.unseen_eval_path is set). Every problem of the files and their databases is reported at
+    once (DatasetError); records whose gold query fails on its database are dropped and counted
+    (each rank runs a share of the golds; all ranks drop the same ones), as are those whose prompt
     exceeds data.max_prompt_tokens (or cannot fit sampling.max_context with one generated token)."""
     d = cfg.data
+    files = [("train", d.train_path, d.max_train_examples), ("eval", d.eval_path, d.max_eval_examples)]
+    if d.unseen_eval_path:
+        files.append(("unseen", d.unseen_eval_path, d.max_unseen_examples))
     splits, problems = {}, []
-    for name, path, limit in (("train", d.train_path, d.max_train_examples), ("eval", d.eval_path, d.max_eval_examples)):
+    for name, path, limit in files:
         try:
             splits[name] = dataset.load_examples(path, d.db_root, limit)
         except dataset.DatasetError as e:
             problems.append(str(e))
     if problems:
         raise dataset.DatasetError("\n".join(problems))
-    errors = map_shared(lambda exs: dataset.gold_failures(exs, cfg.reward), splits["train"] + splits["eval"], rank,
-                        world)  # each rank runs a share of the golds
-    n_train = len(splits["train"])
-    out = []
-    for name, path, exs, errs in (("train", d.train_path, splits["train"], errors[:n_train]),
-                                  ("eval", d.eval_path, splits["eval"], errors[n_train:])):
+    every = [ex for name, _, _ in files for ex in splits[name]]
+    errors = map_shared(lambda exs: dataset.gold_failures(exs, cfg.reward), every, rank, world)  # a share per rank
+    out, start = {}, 0
+    for name, path, _ in files:
+        exs, errs = splits[name], errors[start:start + len(splits[name])]
+        start += len(exs)
         exs, note = dataset.drop_failing_golds(exs, errs, name)
         if note:
             log.print(f"WARNING: {note}")
@@ -74,8 +78,18 @@ def load_splits(tok, cfg: C.Config, log: Log, rank: int, world: int) -> tuple[li
                       f"{cfg.sampling.max_context})")
         if not kept:
             raise C.ConfigError(f"{name}: every prompt of {path} is too long (data.max_prompt_tokens)")
-        out.append(kept)
-    return out[0], out[1]
+        out[name] = kept
+    train_ex = out.pop("train")
+    return train_ex, out
+
+
+def evaluate_held_out(sampler, tok, held_out: dict[str, list[dict]], cfg: C.Config, rank: int, world: int,
+                      device, log: Log, step: int) -> dict:
+    """Every held-out set at this step (eval/*, unseen/*); returns their metrics."""
+    metrics = {}
+    for prefix, exs in held_out.items():
+        metrics.update(evaluate(sampler, tok, exs, cfg, rank, world, device, log, step, prefix=prefix))
+    return metrics
 
 
 # -----------------------------------------------------------------------------
@@ -230,7 +244,8 @@ def main():
 
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)  # no network at run time
-    train_ex, eval_ex = load_splits(tok, cfg, log, rank, world)
+    train_ex, held_out = load_splits(tok, cfg, log, rank, world)
+    eval_ex = held_out["eval"]  # the warm start's evals and the random floor read this one
     ck = checkpoint.latest(cfg.train.out_dir) if cfg.train.resume != "false" else None
     # a warm start stopped before GRPO began (no ckpt_000000 yet) continues from its last save
     warm = checkpoint.warm_start_save(cfg.train.out_dir) if cfg.train.resume != "false" and not ck \
@@ -260,7 +275,7 @@ def main():
     # memory: the KV pool sized (sampling.kv_budget_tokens auto) from what is left once the rest of the
     # run is counted, and a config that cannot fit stopped here, before anything large is allocated
     # (this rank already holds the loaded weights)
-    sampling_cfg, _ = size_kv_pool(model, cfg, world, device, len(eval_ex), log.print)
+    sampling_cfg, _ = size_kv_pool(model, cfg, world, device, max(map(len, held_out.values())), log.print)
     model = shard(model, compute_dtype(cfg), cfg.model.fsdp_unit)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor: global count
     log.print(f"model: {param_count(model) / 1e6:.2f}M params, {trainable / 1e6:.3f}M trainable, world {world}, "
@@ -303,7 +318,7 @@ def main():
     if sampler.warm_up_s:  # CUDA: the first refresh compiled (or loaded from disk) and captured the decode step
         log.print(f"sampler: decode step compiled and captured in {sampler.warm_up_s:.1f} s")
     if step == 0:  # held-out EX before any GRPO step (after the warm start), beside the random floor
-        warm = evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
+        warm = evaluate_held_out(sampler, tok, held_out, cfg, rank, world, device, log, step)
         if rank == 0:
             report_random_floor(eval_ex, cfg, log, warm)
 
@@ -357,7 +372,7 @@ def main():
             if bad >= cfg.train.max_bad_steps:
                 raise RuntimeError(f"{bad} non-finite steps in a row: stopping")
         if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == cfg.train.steps:
-            evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
+            evaluate_held_out(sampler, tok, held_out, cfg, rank, world, device, log, step)
         if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
             save(run, stream, step)
             saved_at = step

@@ -742,13 +742,26 @@ def test_load_splits_reports_both_files_at_once_and_skips_failing_golds(tmp_path
     assert f"{tmp_path}/train.jsonl:3: not valid JSON" in msg, msg
     assert f"zero.sqlite: the database is an empty file (0 bytes) (used by 1 record(s), first on {tmp_path}/eval.jsonl:1" in msg
     # one failing gold: skipped and named
-    (train_ex, eval_ex), log = load([with_field(train_lines[0], gold_sql="SELECT nope FROM nowhere")] + train_lines[1:],
-                                    eval_lines)
-    assert len(train_ex) == 19 and len(eval_ex) == 10
+    (train_ex, held_out), log = load([with_field(train_lines[0], gold_sql="SELECT nope FROM nowhere")] + train_lines[1:],
+                                     eval_lines)
+    assert len(train_ex) == 19 and list(held_out) == ["eval"] and len(held_out["eval"]) == 10
     assert log == [f"WARNING: train: skipped 1 of 20 examples whose gold query fails on its database: "
                    f"{tmp_path}/train.jsonl:1: no such table: nowhere"]
     with pytest.raises(dataset.DatasetError, match=r"eval: every gold query \(10\) fails on its database"):
         load(train_lines, [with_field(line, gold_sql="SELECT 1 FROM nowhere") for line in eval_lines])
+    # data.unseen_eval_path: a second held-out set, its records limited by data.max_unseen_examples,
+    # its failing golds skipped and named under its own name
+    unseen_lines = (toy / "eval.jsonl").read_text().splitlines()[10:20]
+    (tmp_path / "eval.jsonl").write_text("\n".join(eval_lines) + "\n")
+    (tmp_path / "unseen.jsonl").write_text("\n".join([with_field(unseen_lines[0], gold_sql="SELECT 1 FROM nowhere")]
+                                                      + unseen_lines[1:]) + "\n")
+    cfg = C.load_config([f"--data.train_path={tmp_path}/train.jsonl", f"--data.eval_path={tmp_path}/eval.jsonl",
+                         f"--data.unseen_eval_path={tmp_path}/unseen.jsonl", "--data.max_unseen_examples=6",
+                         f"--data.db_root={toy}", "--data.prompt_template=compact", "--reward.mode=set"])
+    log = Printed()
+    _, held_out = train.load_splits(tok, cfg, log, 0, 1)
+    assert list(held_out) == ["eval", "unseen"] and len(held_out["unseen"]) == 5
+    assert log[-1].startswith("WARNING: unseen: skipped 1 of 6 examples whose gold query fails")
 
 
 def test_log_rewinds_to_a_checkpoint_and_sets_an_earlier_attempt_aside(tmp_path):

@@ -60,6 +60,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "data.max_prompt_tokens": (">= 1", ""),
     "data.max_train_examples": (">= 0", "0 = all"),
     "data.max_eval_examples": (">= 0", "0 = all"),
+    "data.max_unseen_examples": (">= 0", "0 = all"),
     "env.max_turns": (">= 1", "1 = answer at once, no tool call"),
     "env.step_budget": (">= 1", ""),
     "env.tool_overlap_steps": (">= 0", ""),
