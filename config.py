@@ -117,6 +117,10 @@ class EnvConfig:
     truncated_text: str = "Truncated to {shown} of {total} rows since returned response too long."
     actions_max_result_rows: int = 20  # actions: rows of a QUERY result shown, >= 1
     sample_rows: int = 5  # actions: rows SAMPLE <table> shows (LIMIT), >= 1
+    # actions: what DESCRIBE shows. ddl = the table's CREATE TABLE as the database stores it; columns =
+    # one line of names, types and keys, as sql_env's DESCRIBE (Spider's stored DDL runs to hundreds of
+    # tokens a table: every one is prefilled, trained through and kept in the KV cache)
+    describe: str = choice("ddl", "ddl", "columns")
 
 
 @dataclass
