@@ -67,7 +67,7 @@ class Engine:
         if cfg.kv_budget_tokens == "auto":
             # the engine knows its work, not the device's memory: auto holds the work whole (a caller
             # that must fit memory sizes auto first, trainer/memory.py)
-            cfg = dataclasses.replace(cfg, kv_budget_tokens=max(1, sum(worst_case)))
+            cfg = dataclasses.replace(cfg, kv_budget_tokens=max(1, sum(-(-w // bs) for w in worst_case)) * bs)
             self.cfg = cfg
         if worst_case and cfg.kv_budget_tokens < max(worst_case):
             raise ValueError(f"sampling.kv_budget_tokens={cfg.kv_budget_tokens} cannot hold one sequence of "
