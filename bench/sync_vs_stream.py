@@ -2,6 +2,9 @@
 
     .venv/bin/python bench/sync_vs_stream.py --warm runs/tiny/ckpt_000000/hf [--steps 8] [--pairs 2] [--ahead 1]
         [--prompts 64] [--threads 2]
+    # a real model's tail: the recipe's warm start, k = 0, 1 and 2 (every arm alternating in each pair)
+    .venv/bin/python bench/sync_vs_stream.py --warm runs/smollm2_sql_env/ckpt_000000/hf \
+        --config configs/smollm2_sql_env.yaml --set data.db_root=$SPIDER_DIR --ahead 1,2 --prompts 16 --steps 2 --pairs 1
 
 --warm: the main command's policy before its first GRPO step (its ckpt_000000/hf, after the warm
 start): a random model never answers, so its episodes all run the same turns and there is no tail
@@ -14,6 +17,8 @@ Printed per arm, then the medians over pairs:
   episodes trained): the schedule's count, the same on any machine; goal >= 1.6x fewer with k = 1;
 - the live-row fraction: rows decoded per decode step over the open-episode cap (a rank share's
   episodes, the synchronous peak); goal >= 0.8 with k = 1;
+- the share of decode steps under a quarter of the arm's peak rows (the tail: steps that run a
+  nearly empty batch, each costing a whole weight read on a GPU);
 - rollout seconds per trained token on this CPU (a CPU decode step costs about in proportion to its
   rows, so fewer, fuller steps gain little here);
 - a GPU projection, labelled as one: the measured rows of every decode step, each step priced by the
@@ -100,7 +105,10 @@ def main():
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny.yaml"))
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--pairs", type=int, default=2)
-    ap.add_argument("--ahead", type=int, default=1, help="stream.sampling_steps_ahead of the streaming arm")
+    ap.add_argument("--ahead", default="1", help="stream.sampling_steps_ahead of the streaming arm; a list "
+                    "(1,2): one streaming arm each, the first compared with sync in the headline")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override (data.db_root=..., repeatable)")
     ap.add_argument("--prompts", type=int, default=64, help="grpo.prompts_per_step (one rank)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="/tmp/bench_stream")
@@ -108,17 +116,19 @@ def main():
     if not os.path.exists(os.path.join(a.warm, "config.json")):
         sys.exit(f"--warm {a.warm}: not a model folder (run the main command first: runs/tiny/ckpt_000000/hf)")
     torch.set_num_threads(a.threads)
+    aheads = [int(k) for k in a.ahead.split(",")]
     cfg = C.load_config([a.config, f"--model.path={a.warm}", "--sft.steps=0", f"--train.out_dir={a.out}",
-                         f"--grpo.prompts_per_step={a.prompts}"])
+                         f"--grpo.prompts_per_step={a.prompts}"] + [f"--{kv}" for kv in a.set])
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(a.warm, local_files_only=True)
     exs = dataset.load_examples(cfg.data.train_path, cfg.data.db_root)
     P, G = cfg.grpo.prompts_per_step, cfg.grpo.group_size
     print(f"{P} prompts x {G} samples a step, {a.steps} steps an arm, {a.pairs} pairs, 1 process, {a.threads} threads; "
           f"streaming: stream.sampling_steps_ahead={a.ahead}", flush=True)
-    arms = {"sync": [], "stream": []}
+    names = [("sync", 0), ("stream", aheads[0])] + [(f"stream_k{k}", k) for k in aheads[1:]]
+    arms = {name: [] for name, _ in names}
     for pair in range(a.pairs):
-        for name, ahead in (("sync", 0), ("stream", a.ahead)):
+        for name, ahead in names:
             t0 = time.time()
             r = run_arm(cfg, a.warm, ahead, a.steps, tok, exs)
             r["per_episode"] = r["decode_steps"] / r["episodes"]
@@ -126,11 +136,13 @@ def main():
             r["per_episode_later"] = sum(x for x, _ in later) / sum(n for _, n in later)
             r["live_frac"] = r["live_rows"] / r["decode_steps"]
             r["s_per_token"] = r["rollout_s"] / r["tokens"]
+            peak = max(r["rows_per_step"], default=0)
+            r["under_quarter"] = sum(b < peak / 4 for b in r["rows_per_step"]) / max(len(r["rows_per_step"]), 1)
             for shape in ("0.5b", "7b"):
                 r[f"gpu_{shape}"] = sum(h200_step_ms(b, shape) for b in r["rows_per_step"]) / r["episodes"]
             arms[name].append(r)
             print(f"pair {pair + 1} {name:6s}: decode steps/episode {r['per_episode']:.3f}, live-row fraction "
-                  f"{r['live_frac']:.3f}, rollout {1e3 * r['s_per_token']:.3f} ms/trained token, sampled EX "
+                  f"{r['live_frac']:.3f}, decode steps under a quarter of the peak {r['under_quarter']:.3f}, rollout {1e3 * r['s_per_token']:.3f} ms/trained token, sampled EX "
                   f"{100 * statistics.mean(r['ex']):.1f}%, {r['episodes']} episodes trained ({time.time() - t0:.0f} s)",
                   flush=True)
 
@@ -147,6 +159,11 @@ def main():
         s, t = med("sync", f"gpu_{shape}"), med("stream", f"gpu_{shape}")
         print(f"GPU projection (H200 decode step times, Qwen2.5-{shape.upper()} shape; a projection, not a "
               f"measurement): decode ms per trained episode: sync {s:.2f}, stream {t:.2f}, sync/stream {s / t:.2f}")
+    for name, ahead in names[2:]:
+        print(f"k={ahead}: decode steps per trained episode {med(name, 'per_episode'):.3f}, live-row fraction "
+              f"{med(name, 'live_frac'):.3f}, decode steps under a quarter of the peak {med(name, 'under_quarter'):.3f}")
+    print(f"under_quarter_peak_sync: {med('sync', 'under_quarter'):.3f}")
+    print(f"under_quarter_peak_stream: {med('stream', 'under_quarter'):.3f}")
     print(f"decode_steps_per_episode_sync: {med('sync', 'per_episode'):.3f}")
     print(f"decode_steps_per_episode_stream: {med('stream', 'per_episode'):.3f}")
     print(f"live_row_frac_sync: {med('sync', 'live_frac'):.3f}")
