@@ -67,20 +67,34 @@ def capability(path: str) -> str:
                           env=path_env(path), capture_output=True, text=True, check=True).stdout.strip()
 
 
+def top_processes(n: int = 8) -> str:
+    """The n busiest processes (ps), or "" where ps is missing."""
+    try:
+        out = subprocess.run(["ps", "-eo", "pid,pcpu,etime,args", "--sort=-pcpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return ""
+    return "".join(line[:200] + "\n" for line in out.splitlines()[:n + 1])
+
+
 def run_main_command(path: str, seed: int, out_dir: Path, args: list[str], nproc: int = 2,
                      timeout: float | None = None) -> dict:
     """train.py configs/tiny.yaml on `path` for `seed` in out_dir (its model in out_dir/model unless
     args name another), args after the seed's (later ones win); its log in out_dir.log. Returns the
-    run's figures (figures()) with the wall time, the exit code and the load average at start and end."""
+    run's figures (figures()) with the wall time, the exit code and the load average at start and end
+    (the busiest processes then: out_dir.beside)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     launch = [sys.executable, "train.py"] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
     cmd = launch + ["configs/tiny.yaml", f"--train.seed={seed}", f"--model.path={out_dir}/model",
                     f"--train.out_dir={out_dir}", *args]
     load0, t0 = os.getloadavg()[0], time.time()
+    beside = out_dir.with_suffix(".beside")  # what else ran at the start and the end (a shared machine)
+    beside.write_text(f"start, load {load0:.2f}\n{top_processes()}")
     with open(out_dir.with_suffix(".log"), "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, env={**path_env(path), "OMP_NUM_THREADS": "1"}, stdout=log,
                             stderr=subprocess.STDOUT, timeout=timeout).returncode
+    with open(beside, "a") as fh:
+        fh.write(f"end, load {os.getloadavg()[0]:.2f}, {(time.time() - t0) / 60:.1f} min\n{top_processes()}")
     out = {"path": path, "seed": seed, "run": str(out_dir), "rc": rc, "wall_min": (time.time() - t0) / 60,
            "load": (load0, os.getloadavg()[0])}
     if rc == 0:
