@@ -50,7 +50,7 @@ from sqltask import dataset, exec_match, random_turns, sandbox, spider_score
 from sqltask.predictions import (PLACEHOLDER, decoding_label, one_line, result_key, spider_db_root,
                                  summarise_generation)
 from model import Transformer
-from trainer import config_checks, distributed, malloc_tuning, runguard
+from trainer import config_checks, distributed, malloc_tuning, memory, runguard
 from trainer.distributed import all_sum
 from trainer.policy_sampler import PolicySampler
 
@@ -332,8 +332,19 @@ def cmd_generate(args) -> None:
     # a full copy per rank in the compute dtype, no FSDP2: inference only (no fp32 masters needed)
     # and ranks decode different chunks, which sharded weights (lock-step all-gathers) would forbid
     dtype = distributed.compute_dtype(cfg)
-    sampler = PolicySampler.for_model(Transformer.from_pretrained(model_dir, dtype=dtype, device=device), cfg.sampling,
-                                      dtype=dtype)
+    model = Transformer.from_pretrained(model_dir, dtype=dtype, device=device)
+    # the KV pool: sampling.kv_budget_tokens, or (auto) a share of the memory left beside the loaded
+    # weights, capped at one chunk's rows; a budget the memory cannot hold stops here, not in the OOM killer
+    kv_bytes = memory.kv_bytes_per_token(model.config, dtype)
+    weights_gb = distributed.param_count(model) * dtype.itemsize / memory.GB
+    available = memory.available_gb(device)
+    tokens = memory.kv_budget(cfg.sampling, 0.0, kv_bytes, device, args.chunk * args.n * cfg.sampling.max_context,
+                              available=available)
+    memory.check_fits({"total": weights_gb + tokens * kv_bytes / memory.GB, "kv_cache": tokens * kv_bytes / memory.GB,
+                       "rollout_weights": weights_gb}, device, weights_gb, available=available)
+    say(f"[{label}] KV pool {tokens} tokens ({tokens * kv_bytes / memory.GB:.2f} GB; sampling.kv_budget_tokens="
+        f"{cfg.sampling.kv_budget_tokens}), weights {weights_gb:.2f} GB, {available[0]:.1f} GB {available[1]}")
+    sampler = PolicySampler.for_model(model, dataclasses.replace(cfg.sampling, kv_budget_tokens=tokens), dtype=dtype)
     say(f"[{label}] {model_dir} on {data}: {len(exs)} examples x {args.n}, {world} process(es), chunks of "
         f"{args.chunk} (a progress line after each)")
     # fixed chunks dealt round-robin to ranks: the same rollout calls whatever the world size

@@ -27,7 +27,7 @@ from eval import evaluate
 from model import Transformer
 from sqltask import chat, dataset
 from sqltask.gold_turns import gold_turns
-from trainer import checkpoint, optim, packing, runguard
+from trainer import checkpoint, memory, optim, packing, runguard
 from trainer.distributed import all_sum, close, compute_dtype, each_micro_batch, shard
 from trainer.loss_scale import LossScaler
 from trainer.policy_sampler import PolicySampler
@@ -112,8 +112,9 @@ def warm_start_base(tok, train_ex, eval_ex, cfg, rank, world, device, log, *, re
     full = Transformer.from_pretrained(cfg.model.path, dtype=torch.float32, device=device)
     full.set_activation_checkpointing(cfg.model.activation_checkpointing)
     full.fp32_lm_head = cfg.model.fp32_lm_head
+    sampling_cfg, _ = memory.size_kv_pool(full, cfg, world, device, len(eval_ex), log.print)
     full = shard(full, compute_dtype(cfg), cfg.model.fsdp_unit)
-    sampler = PolicySampler(full, cfg.sampling, dtype=compute_dtype(cfg))
+    sampler = PolicySampler(full, sampling_cfg, dtype=compute_dtype(cfg))
     run_sft(full, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log, resume_from=resume_from, stop=stop)
     msd = checkpoint.full_model_state(full)
     if rank == 0:

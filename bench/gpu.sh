@@ -7,6 +7,7 @@
 #   PARTS=first bash bench/gpu.sh [OUT_DIR]    # ~8 min of limits: the run users will do
 #   PARTS=second bash bench/gpu.sh [OUT_DIR]   # 3 min: the suite, rollout vs generate, a decode profile
 #   PARTS="tests grpo_run" bash bench/gpu.sh   # any parts by name; PARTS=all: every part (~45 min)
+#   PARTS=smollm2 bash bench/gpu.sh [OUT_DIR]  # 9 min: the real-model recipe at sql_env's scale (bf16)
 #   SMOKE=1 PARTS=first bash bench/gpu.sh DIR  # CPU dry run, tiny shapes (tests/test_gpu_preset.py)
 #
 # Each part runs under its own time limit (they add up to the preset's), a failing part does not
@@ -49,7 +50,7 @@ RUNS=${RUNS:-runs}  # where the runs and the model go (the toy data: configs/tin
 ENGINE="decode05 decode7b grpo_run grpo_resume lora_run tests"
 FIRST="grpo_run grpo_resume decode lora_run"
 SECOND="tests rollout_vs_generate decode_profile"
-ALL="attention paged_attention sampler sampler_graphs rollout_scale train_step long_microbatch update_mfu decode05 decode7b $FIRST $SECOND"
+ALL="attention paged_attention sampler sampler_graphs rollout_scale train_step long_microbatch update_mfu decode05 decode7b $FIRST $SECOND smollm2"
 PARTS=${PARTS:-first}
 PARTS=${PARTS//engine/$ENGINE}
 PARTS=${PARTS//first/$FIRST}
@@ -187,6 +188,37 @@ part long_microbatch 150 $PY bench/long_microbatch.py --shape qwen2.5-7b --token
 
 # (8) the GRPO update at the 7B recipe's shape (FlexAttention compiles on the first micro-batch)
 part update_mfu 420 $PY bench/update_mfu.py --device cuda --compare
+
+# (11) the real-model recipe (configs/smollm2_sql_env.yaml) at sql_env's own scale: 2 samples a
+# prompt, 32 prompts a step, 200 steps after a warm start of 100 steps of 16 gold episodes, bf16,
+# every held-out question. On runs/smollm2 and $SPIDER_DIR when the machine has them (the folder is
+# 540 MB and the wheel 93 MB: neither travels with a loan's working tree), else on the toy set with a
+# random body in SmolLM2-135M's shape (its 1k vocabulary, not 49k): then only the timings mean
+# anything. Cut at its limit, it has logged every step it finished (metrics.jsonl).
+SQL_ENV_SCALE="--model.dtype=bfloat16 --grpo.group_size=2 --grpo.prompts_per_step=32 --grpo.dynamic_sampling=false \
+    --sft.steps=100 --sft.batch_size=16 --train.steps=200 --train.eval_every=50 --train.sample_every=0 \
+    --train.threads=0 --train.resume=false --train.out_dir=$RUNS/gpu_smollm2"
+SMOL_BODY="--model.tiny_hidden_size=576 --model.tiny_layers=30 --model.tiny_heads=9 --model.tiny_kv_heads=3 \
+    --model.tiny_intermediate_size=1536 --model.path=$RUNS/gpu/smollm2_shape"
+if [ "$SMOKE" = 1 ]; then
+    SMOL="configs/tiny_actions.yaml $SQL_ENV_SCALE --model.path=$RUNS/gpu/smollm2_smoke --sft.steps=2 \
+        --sft.batch_size=4 --sft.stop_at_train_ex=0 --grpo.prompts_per_step=2 --train.steps=1 --data.max_eval_examples=2 \
+        --sampling.max_new_tokens=8 --sampling.kv_budget_tokens=20000"
+    SMOL_LIMIT=120
+elif [ -f runs/smollm2/config.json ] && [ -n "${SPIDER_DIR:-}" ] && [ -f runs/sql_env/train.jsonl ]; then
+    SMOL="configs/smollm2_sql_env.yaml --data.db_root=$SPIDER_DIR $SQL_ENV_SCALE --data.max_eval_examples=0 \
+        --data.max_unseen_examples=0"
+    SMOL_LIMIT=520
+else
+    SMOL="configs/tiny_actions.yaml $SMOL_BODY $SQL_ENV_SCALE --sft.stop_at_train_ex=0 --sampling.max_new_tokens=96 \
+        --sampling.max_context=1024 --env.step_budget=5"
+    SMOL_LIMIT=520
+fi
+# shellcheck disable=SC2086
+part smollm2 "$SMOL_LIMIT" $TORCHRUN train.py $SMOL
+if ran smollm2 && [ -f $RUNS/gpu_smollm2/metrics.jsonl ]; then
+    $PY bench/run_summary.py $RUNS/gpu_smollm2 "$OUT/smollm2.txt" --prefix smollm2 | tee -a "$SUMMARY"
+fi
 
 echo "=== headline figures"
 cat "$SUMMARY"

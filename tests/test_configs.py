@@ -44,8 +44,11 @@ def test_config_loads_with_paths_of_the_right_shape(path):
     assert text.startswith("#"), f"{path.name}: open with a comment saying what the recipe is and how to run it"
     assert f"train.py configs/{path.name}" in text.split("\nmodel:")[0], f"{path.name}: header lacks its command"
     assert cfg.model.path and not cfg.model.path.endswith((".json", ".safetensors")), "model.path is a folder"
-    assert cfg.model.build_tiny or not cfg.model.path.startswith("runs/"), "a real model is not built under runs/"
-    for p in (cfg.data.train_path, cfg.data.eval_path):
+    header = text.split("\nmodel:")[0]
+    if not cfg.model.build_tiny and cfg.model.path.startswith("runs/"):  # a folder a data/ script writes
+        assert re.search(rf"data/prepare_\w+\.py .*--out {re.escape(cfg.model.path)}\b", header), \
+            f"{path.name}: a real model under runs/ needs the command that builds it in the header"
+    for p in (cfg.data.train_path, cfg.data.eval_path, *([cfg.data.unseen_eval_path] if cfg.data.unseen_eval_path else [])):
         assert p.endswith(".jsonl"), f"{path.name}: {p} is not a canonical jsonl (sqltask/dataset.py)"
     assert cfg.data.db_root and cfg.train.out_dir.startswith("runs/")
     if not cfg.data.prepare_toy:  # a real data set: its files are prepared by a script in data/

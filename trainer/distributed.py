@@ -228,7 +228,7 @@ def each_micro_batch(model: nn.Module, mbs: list, device: torch.device, *, backw
 
 class PeakMemory:
     """Peak CUDA memory per phase of a step (GB), reset at each phase's start, for comparing a
-    GPU run with memory_estimate(). Every phase() is a no-op off CUDA (peaks stays empty)."""
+    GPU run with memory.memory_estimate(). Every phase() is a no-op off CUDA (peaks stays empty)."""
 
     def __init__(self, device: torch.device):
         self.device, self.peaks, self.starts = device, {}, {}
@@ -256,54 +256,3 @@ class PeakMemory:
         return out
 
 
-def memory_estimate(model: nn.Module, cfg: "config.Config", world: int) -> dict[str, float]:
-    """GB per device of one rank's phases, for the FSDP2 layout used on every world size (one rank
-    included). Call it before shard() (it reads the blocks) and, for a LoRA run, after lora.apply.
-
-    Parts: params (fp32 masters sharded over `world`; frozen parameters, a LoRA base, once in the
-    compute dtype), grads and adam (fp32, trainable only, sharded), rollout_weights (the sampler's
-    full copy in the compute dtype, adapters merged), kv_cache (the sampler's pool), gathered_unit
-    (the largest FSDP2 unit all-gathered in the compute dtype: the whole model with
-    model.fsdp_unit "model"; with "block" the root, which stays gathered from forward to backward,
-    plus one block), unit_grads (that unit's trainable gradients unsharded before the
-    reduce-scatter: compute dtype, then fp32), activations (one micro-batch), ref_weights (the
-    frozen KL reference when grpo.kl_beta > 0: the base without adapters in the compute dtype,
-    sharded; 0 without KL).
-    Phases: resident (between phases: gradients are freed after every optimizer step), rollout
-    (resident + one unit gathered by sampler.refresh), update (resident + grads + a gathered unit
-    + its unsharded gradients + activations); total = the larger peak."""
-    n = param_count(model)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    lora_params = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
-    arch = model.config  # model.ModelArgs: the shape
-    gb = 1024 ** 3
-    unsharded_bytes = compute_dtype(cfg).itemsize  # 2 for bfloat16 and float16
-    kv_per_tok = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * unsharded_bytes
-    # activations of one micro-batch: the block inputs kept by checkpointing (or every block's
-    # intermediates without it), plus one block's worth recomputed in backward
-    tok = cfg.optim.micro_batch_tokens
-    per_block = (4 * arch.hidden_size + 3 * arch.intermediate_size) * unsharded_bytes
-    acts = tok * (arch.hidden_size * unsharded_bytes * arch.num_hidden_layers + per_block) \
-        if cfg.model.activation_checkpointing else tok * per_block * arch.num_hidden_layers
-    # the largest unit: (all params, trainable params) gathered at once
-    if cfg.model.fsdp_unit == "model":
-        unit, unit_trainable = n, trainable
-    else:
-        block = list(model.layers[0].parameters())
-        blocks_n = len(model.layers) * sum(p.numel() for p in block)
-        blocks_trainable = len(model.layers) * sum(p.numel() for p in block if p.requires_grad)
-        unit = n - blocks_n + blocks_n // len(model.layers)
-        unit_trainable = trainable - blocks_trainable + blocks_trainable // len(model.layers)
-    grad_bytes = unsharded_bytes + 4 if unsharded_bytes != 4 else 4  # compute-dtype grads, fp32 for the reduce
-    weights = 4 * trainable + unsharded_bytes * (n - trainable)
-    est = {"params": weights / world / gb, "grads": 4 * trainable / world / gb, "adam": 8 * trainable / world / gb,
-           "rollout_weights": unsharded_bytes * (n - lora_params) / gb,
-           "kv_cache": cfg.sampling.kv_budget_tokens * kv_per_tok / gb,
-           "gathered_unit": unsharded_bytes * unit / gb, "unit_grads": grad_bytes * unit_trainable / gb,
-           "activations": acts / gb,
-           "ref_weights": unsharded_bytes * (n - lora_params) / world / gb if cfg.grpo.kl_beta > 0 else 0.0}
-    est["resident"] = est["params"] + est["adam"] + est["rollout_weights"] + est["kv_cache"] + est["ref_weights"]
-    est["rollout"] = est["resident"] + est["gathered_unit"]
-    est["update"] = est["resident"] + est["grads"] + est["gathered_unit"] + est["unit_grads"] + est["activations"]
-    est["total"] = max(est["rollout"], est["update"])
-    return est
