@@ -283,6 +283,7 @@ class SFTConfig:
     stop_check_questions: int = 128  # training questions per check, >= 1
     stop_checks_in_a_row: int = 1  # passing checks in a row needed to stop, >= 1
     stop_check_unseen: bool = False  # check on whole training databases the warm start does not train on
+    stop_check_databases: int = 0  # ... that many of them, spread over the set, >= 0; 0 = as few as hold the questions
 
 
 @dataclass

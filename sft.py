@@ -138,7 +138,8 @@ def stop_check_questions(train_ex: list[dict], s) -> tuple[list[dict], list[dict
     """(the stop check's questions, the warm start's training examples); s: config.SFTConfig.
     No check (stop_at_train_ex 0): none, all of train_ex. Otherwise s.stop_check_questions (128)
     questions spread over the training set (it is ordered by database); with stop_check_unseen, those
-    of every k-th database (about 8 for 128), which the warm start then leaves out."""
+    of s.stop_check_databases databases spread over the set (0: every k-th, as few as hold the
+    questions: about 8 for 128), which the warm start then leaves out (at most half the databases)."""
     n = s.stop_check_questions
     if s.stop_at_train_ex <= 0:
         return [], train_ex
@@ -148,10 +149,20 @@ def stop_check_questions(train_ex: list[dict], s) -> tuple[list[dict], list[dict
     if len(dbs) < UNSEEN_MIN_DATABASES:
         raise ValueError(f"sft.stop_check_unseen leaves whole training databases out of the warm start, "
                          f"and the training set has {len(dbs)}: set it false")
-    per_db = len(train_ex) / len(dbs)
-    held = set(dbs[::max(1, int(len(dbs) * per_db / n))])
-    probe = [ex for ex in train_ex if ex["db_id"] in held]
-    return probe[::max(1, len(probe) // n)][:n], [ex for ex in train_ex if ex["db_id"] not in held]
+    rest = lambda held: [ex for ex in train_ex if ex["db_id"] not in held]  # noqa: E731
+    if not s.stop_check_databases:
+        per_db = len(train_ex) / len(dbs)
+        held = set(dbs[::max(1, int(len(dbs) * per_db / n))])
+        probe = [ex for ex in train_ex if ex["db_id"] in held]
+        return probe[::max(1, len(probe) // n)][:n], rest(held)
+    k = min(s.stop_check_databases, len(dbs) // 2)
+    held = [dbs[i * len(dbs) // k] for i in range(k)]
+    probe = []
+    for i, db in enumerate(held):  # n // k questions of each database (one more for the first n % k), spread
+        mine = [ex for ex in train_ex if ex["db_id"] == db]
+        take = min(len(mine), n // k + (i < n % k))
+        probe += [mine[j * len(mine) // take] for j in range(take)]
+    return probe, rest(set(held))
 
 
 def run_sft(model, sampler, tok, train_ex, eval_ex, cfg, rank, world, device, log, *, resume_from=None,

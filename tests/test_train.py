@@ -320,6 +320,26 @@ def test_stop_check_questions_from_unseen_databases():
         sft.stop_check_questions(exs[:17 * 5], on)
 
 
+@pytest.mark.parametrize("databases, n_questions, spread_to", [(24, 128, "db115"), (16, 100, "db112"), (100, 128, "db118")])
+def test_stop_check_questions_spread_over_the_databases_asked_for(databases, n_questions, spread_to):
+    """sft.stop_check_databases: the check's questions come from that many whole training databases
+    (never more than half of them), evenly spaced over the set, an equal share from each (within one)
+    spread over each database's questions; the warm start trains on none of those databases."""
+    exs = [{"id": f"{db}-{q}", "db_id": f"db{db:03d}"} for db in range(120) for q in range(17)]
+    s = C.load_config(["--sft.stop_at_train_ex=0.4", "--sft.stop_check_unseen=true",
+                       f"--sft.stop_check_databases={databases}", f"--sft.stop_check_questions={n_questions}"]).sft
+    probe, train_set = sft.stop_check_questions(exs, s)
+    per_db = {}
+    for e in probe:
+        per_db.setdefault(e["db_id"], []).append(int(e["id"].split("-")[1]))
+    k = min(databases, 60)
+    assert len(probe) == n_questions and len(per_db) == k
+    assert min(per_db) == "db000" and max(per_db) == spread_to
+    assert {len(qs) for qs in per_db.values()} <= {n_questions // k, n_questions // k + 1}
+    assert all(qs[0] == 0 and qs[-1] >= 17 * (len(qs) - 1) // len(qs) for qs in per_db.values())  # spread
+    assert not set(per_db) & {e["db_id"] for e in train_set} and len(train_set) == len(exs) - 17 * k
+
+
 def test_stop_check_unseen_on_a_small_training_set_uses_trained_questions(tmp_path, tiny_model, monkeypatch):
     """A quick run (data.max_train_examples=40: 3 databases) with tiny.yaml's stop_check_unseen
     cannot leave ~8 databases out: the warm start says so in one line and checks trained questions

@@ -143,6 +143,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "sft.stop_check_every": (">= 1", ""),
     "sft.stop_check_from": (">= 0", ""),
     "sft.stop_check_questions": (">= 1", ""),
+    "sft.stop_check_databases": (">= 0", "0 = as few as hold sft.stop_check_questions"),
     "sft.stop_checks_in_a_row": (">= 1", ""),
     "sft.stop_near_ex": ("[0, 1]", "a fraction; 0 = off"),
     "sft.stop_check_every_near": (">= 0", "0 = off"),
