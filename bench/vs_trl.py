@@ -4,8 +4,10 @@ one process (ours, TRL, ours, TRL, ...; the median of the per-pair ratios).
     .venv/bin/python bench/vs_trl.py                        # SmolLM2-135M-Instruct (runs/smollm2), Spider, CPU fp32
     .venv/bin/python bench/vs_trl.py --fresh                # each step in a fresh process (one side in memory)
     .venv/bin/python bench/vs_trl.py --device cuda --dtype bfloat16 [--vllm]   # bench/gpu.sh's vs_trl part
-    .venv/bin/python bench/vs_trl.py --toy DIR [--smoke]    # the toy set and a random model in SmolLM2's shape
-                                                            # (tiny with --smoke): no checkpoint, no Spider
+    .venv/bin/python bench/vs_trl.py --toy runs [--smoke]   # the toy set (runs/toy, configs/tiny.yaml's) and a
+                                                            # random model in SmolLM2's shape (tiny with
+                                                            # --smoke) in runs/vs_trl_model_*: no checkpoint,
+                                                            # no Spider
 
 The work, the same on both sides: --prompts (16) training prompts a step, one turn each (TRL's
 standard path: the prompt, then one completion), --group (4) completions a prompt, at most
@@ -93,7 +95,8 @@ def parse_args(argv=None):
     ap.add_argument("--data", default=os.path.join(ROOT, "runs", "sql_env", "train.jsonl"),
                     help="training records (data/prepare_sql_env.py or data/prepare_spider.py)")
     ap.add_argument("--db-root", default=os.environ.get("SPIDER_DIR", ""), help="the Spider folder (default $SPIDER_DIR)")
-    ap.add_argument("--toy", default="", help="a folder: the toy set and a random model in SmolLM2's shape there")
+    ap.add_argument("--toy", default="", help="a folder: the toy set in DIR/toy, a random model in SmolLM2's shape "
+                    "in DIR/vs_trl_model_<layers>l (each built when absent)")
     ap.add_argument("--smoke", action="store_true", help="tiny: a tiny random model, 2 prompts x 2, 8 tokens")
     ap.add_argument("--pairs", type=int, default=3, help="interleaved pairs, the first a warm-up")
     ap.add_argument("--prompts", type=int, default=16)
@@ -131,7 +134,7 @@ def our_config(a, model_path: str, data_path: str, db_root: str, out_dir: str) -
         "--env.max_turns=1", f"--grpo.group_size={a.group}", f"--grpo.prompts_per_step={a.prompts}",
         f"--grpo.loss_agg={a.loss_agg}", f"--grpo.drgrpo_max_len={a.max_new_tokens}", "--grpo.dynamic_sampling=false",
         "--sampling.temperature=1.0", "--sampling.top_p=1.0", "--sampling.top_k=0",
-        f"--sampling.max_new_tokens={a.max_new_tokens}", "--sampling.max_context=4096",
+        f"--sampling.max_new_tokens={a.max_new_tokens}",
         f"--sampling.kv_budget_tokens={a.kv_budget}",
         f"--optim.lr={a.lr}", "--optim.weight_decay=0", f"--optim.grad_clip={a.grad_clip}",
         f"--train.seed={a.seed}", f"--train.threads={a.threads}", f"--train.out_dir={out_dir}"])
@@ -140,11 +143,12 @@ def our_config(a, model_path: str, data_path: str, db_root: str, out_dir: str) -
 def toy_assets(a) -> tuple[str, str, str]:
     """(model folder, training records, db root) of the toy set, with a random model in SmolLM2's shape
     and vocabulary size (a tiny one with --smoke) and the toy's own tokenizer (fewer tokens than the
-    model's vocabulary: the rest are never sampled), built under a.toy when absent."""
+    model's vocabulary: the rest are never sampled): a.toy/toy (configs/tiny.yaml's when a.toy is runs)
+    and a.toy/vs_trl_model_<layers>l, each built when absent."""
     shape = dict(family="qwen2", hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128,
                  vocab_size=1024) if a.smoke else SMOLLM2_SHAPE
     cfg = C.load_config([f"--data.train_path={a.toy}/toy/train.jsonl", f"--data.eval_path={a.toy}/toy/eval.jsonl",
-                         f"--data.db_root={a.toy}/toy", f"--model.path={a.toy}/model_{shape['layers']}l",
+                         f"--data.db_root={a.toy}/toy", f"--model.path={a.toy}/vs_trl_model_{shape['layers']}l",
                          *[f"--model.tiny_{k}={v}" for k, v in shape.items()]])
     tiny.prepare_assets(cfg, Transformer, sft.gold_texts)
     return cfg.model.path, cfg.data.train_path, cfg.data.db_root
@@ -175,6 +179,16 @@ def step_examples(examples: list[dict], cfg: C.Config, steps: int) -> list[list[
     so TRL gets the prompts our step samples."""
     order = PromptOrder(len(examples), cfg.train.seed)
     return [[examples[i] for i in order.take(cfg.grpo.prompts_per_step)] for _ in range(steps)]
+
+
+def fit_context(cfg: C.Config, tok, steps: list[list[dict]]) -> C.Config:
+    """sampling.max_context set to the work's longest row (prompt + max_new_tokens, in whole blocks), as
+    a one-turn run would set it: kv_budget_tokens=auto reserves the step's rows x max_context, and at
+    the default (29000) that would be a pool of every free gigabyte, not the work's."""
+    longest = max(len(render_prompt(tok, x, cfg.data, "tags", cfg.data.db_root)) for work in steps for x in work)
+    block = cfg.sampling.block_size
+    context = -(-(longest + cfg.sampling.max_new_tokens) // block) * block
+    return dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, max_context=context))
 
 
 # -----------------------------------------------------------------------------
@@ -418,9 +432,11 @@ def main(argv=None):
         setup_dist(3600)  # train.py's one-rank process group (FSDP2 on one rank)
         cfg, tok, examples = load(a)
         steps = step_examples(examples, cfg, max(a.pairs, a.pair + 1))
+        cfg = fit_context(cfg, tok, steps)
         print(f"work: {a.prompts} prompts x {a.group}, <= {a.max_new_tokens} new tokens, temperature 1.0, one turn, "
               f"{a.loss_agg}, lr {a.lr:g}, clip 0.2/0.2, grad clip {a.grad_clip:g}, {a.dtype} on {device}, "
-              f"{torch.get_num_threads()} threads, activation checkpointing {not a.no_checkpointing}; "
+              f"{torch.get_num_threads()} threads, activation checkpointing {not a.no_checkpointing}, "
+              f"sampling.max_context {cfg.sampling.max_context}; "
               f"model {cfg.model.path}, data {cfg.data.train_path}", flush=True)
         arms = []
         if a.only != "trl":
