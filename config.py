@@ -22,6 +22,7 @@ from trainer import config_loader
 from trainer.config_loader import ConfigError, dump, to_dict  # noqa: F401 (the config's API in one place)
 from trainer.credits import CREDITS  # grpo.credit's values: the registered credits
 from trainer.losses import LOSSES  # grpo.loss's values: the registered losses
+from trainer.rollout_correction import CORRECTIONS  # grpo.rollout_is's values: the registered corrections
 
 
 def int_or_auto(default: int | str) -> Any:
@@ -81,6 +82,10 @@ class DataConfig:
     max_prompt_tokens: int = 6000  # prompts longer than this many tokens are dropped (and counted), >= 1
     max_train_examples: int = 0  # use the first N training records, >= 0; 0 = all
     max_eval_examples: int = 0  # use the first N held-out records, >= 0; 0 = all
+    # a second held-out set, evaluated beside eval_path (logged as unseen/*): questions on databases
+    # training never reads, so what carries over to a new schema ("" = none)
+    unseen_eval_path: str = ""
+    max_unseen_examples: int = 0  # use the first N of them, >= 0; 0 = all
 
 
 @dataclass
@@ -112,6 +117,10 @@ class EnvConfig:
     truncated_text: str = "Truncated to {shown} of {total} rows since returned response too long."
     actions_max_result_rows: int = 20  # actions: rows of a QUERY result shown, >= 1
     sample_rows: int = 5  # actions: rows SAMPLE <table> shows (LIMIT), >= 1
+    # actions: what DESCRIBE shows. ddl = the table's CREATE TABLE as the database stores it; columns =
+    # one line of names, types and keys, as sql_env's DESCRIBE (Spider's stored DDL runs to hundreds of
+    # tokens a table: every one is prefilled, trained through and kept in the KV cache)
+    describe: str = choice("ddl", "ddl", "columns")
 
 
 @dataclass
@@ -182,14 +191,16 @@ class GRPOConfig:
     # loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, drgrpo (sum / (B·L))
     loss_agg: str = choice("token-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo")
     drgrpo_max_len: int = 0  # L of drgrpo's sum / (B·L), tokens, >= 0; 0 = sampling.max_context
-    # sampler-vs-trainer correction (trainer/rollout_correction.py), r = π_old / π_rollout: token-/seq-tis
-    # weight min(r, cap); token-/seq-mis drop outside [low, high]; geo-mask drops a sequence whose
-    # geometric-mean r leaves [1 - delta, 1 + delta]
-    rollout_is: str = choice("none", "none", "token-tis", "seq-tis", "token-mis", "seq-mis", "geo-mask")
+    # the rollout correction: a function registered in trainer/rollout_correction.py (its docstring gives
+    # the formula), with r = π_old / π_rollout: token-/seq-tis weight min(r, cap); token-/seq-mis drop
+    # outside [low, high]; geo-mask drops a sequence whose geometric-mean r leaves [1 - delta, 1 + delta];
+    # age-mask drops tokens sampled more than max_age steps before the trainer's step
+    rollout_is: str = choice("none", *CORRECTIONS, help="a correction registered in trainer/rollout_correction.py")
     rollout_is_cap: float = 2.0  # the tis cap, > 0
     rollout_is_low: float = 0.5  # the mis lower bound, >= 0
     rollout_is_high: float = 5.0  # the mis upper bound, > 0
     rollout_is_delta: float = 0.01  # geo-mask's delta, > 0
+    rollout_is_max_age: int = 1  # age-mask's N: oldest trained token, steps, >= 0; below stream.sampling_steps_ahead
     dynamic_sampling: bool = False  # drop groups whose dynamic_sampling_metric is all equal, then refill
     # what must differ within a group for it to be kept: reward (any difference, shaping included)
     # or exec_match (some samples right, some wrong: DAPO's accuracy filter)
@@ -217,8 +228,8 @@ class GRPOConfig:
 class StreamConfig:
     # steps the sampler may run ahead of the trainer (tinker's sampling_steps_ahead), >= 0. 0 = synchronous:
     # a step samples its prompts, waits for its last episode, trains. k >= 1: the sampler keeps decoding
-    # across step boundaries, starting the next steps' groups as rows free up (at most one chunk's rows
-    # open, chunks up to k past the step's own); no trained token is older than k steps (stream.py)
+    # across step boundaries, starting the next steps' groups as episodes end (at most one rank share's
+    # episodes open, chunks up to k past the step's own); no trained token is older than k steps (stream.py)
     sampling_steps_ahead: int = 0
     # after a weight sync, recompute the KV cache of the episodes in flight from their ids with the new
     # weights (NeMo-RL's recompute_kv_cache_after_weight_updates); false keeps it (PipelineRL)

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sqltask.prompts import read_schema, render_table
 from sqltask.sandbox import SqlResult, run_sql, run_sql_batch  # noqa: F401 (re-exported: the tool's API in one place)
 
 if TYPE_CHECKING:  # keep the import light (config pulls in yaml)
@@ -188,12 +189,20 @@ def step_batch(db_paths: list, texts: list[str], turns_left: list[int], cfg: Env
     for i, r in zip(owners, results):
         a = actions[i]
         if a.kind == "describe" and r.ok and r.rows:
-            obs = cfg.obs_template.format(result=r.rows[0][0], turns_left=turns_left[i])
+            text = r.rows[0][0] if cfg.describe == "ddl" else describe_columns(db_paths[i], a.arg)
+            obs = cfg.obs_template.format(result=text, turns_left=turns_left[i])
         else:
             cap = cfg.actions_max_result_rows if a.kind == "query" else 0
             obs = format_observation(r, turns_left[i], cfg, row_cap=cap)
         out[i] = StepResult(a, obs, False, r)
     return out
+
+
+def describe_columns(db_path, name: str) -> str:
+    """DESCRIBE with env.describe=columns: the table's columns, types and keys on one line
+    (sqltask/prompts.py's typed rendering of the schema it reads and caches per file)."""
+    table = next(t for t in read_schema(db_path) if t.name.lower() == name.lower())
+    return render_table(table, "typed")
 
 
 def step_record(step: StepResult) -> dict:

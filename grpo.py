@@ -4,6 +4,10 @@ rollout importance correction, and the loss's input record. Tensor functions on 
 step that calls them is train.grpo_step (sample, reward, keep mask, credit, update, sync), whose
 update loop (train.update) builds one LossInputs per micro-batch and calls policy_loss on it.
 
+A group is the grpo.group_size episodes sampled from one prompt, laid out together (prompt p's at
+p*G .. p*G+G-1): the advantage compares the episodes of a group, dynamic sampling keeps or drops a
+group whole, and the stream starts a group's episodes together (the word means nothing else here).
+
 Where to edit for an ablation:
   - the credit: one returns function registered in trainer/credits.py (`outcome_returns` is the
     default; `lookup_bonus_returns` and `turn_discount_returns` are per-turn credits), picked by
@@ -11,6 +15,8 @@ Where to edit for an ablation:
     broadcast to tokens (`token_advantages`) are shared by every credit;
   - the loss: one per-token function registered in trainer/losses.py with its default clip,
     picked by grpo.loss; `policy_loss` here does what every loss shares;
+  - the rollout correction: one weights function registered in trainer/rollout_correction.py,
+    picked by grpo.rollout_is; it reads each token's log π_old/π_rollout and its age (LossInputs.ages);
   - which groups train: `keep_mask`; which of their episodes enter the loss: `loss_episodes`.
 The registries sit in trainer/ so that config.py can offer their names as the keys' values
 (config.py cannot import this file: it imports config.py).
@@ -38,11 +44,13 @@ records them: Trajectory.versions), and an episode can span several versions. Pe
     steps per batch, else logprobs.detach());
   - π_θ is being trained: LossInputs.logprobs.
 The clip acts on r = π_θ/π_prox and the rollout correction's weight is π_prox/π_b
-(rollout_correction.is_weights(old, sampler)): token-tis caps it, token-mis masks it, so
+(rollout_correction.is_weights(old, sampler, ages)): token-tis caps it, token-mis masks it, so
 `-(π_prox/π_b) · min(r·A, clip(r)·A)` is AReaL's decoupled loss with a capped behaviour weight. With
 k = 0 the two differ only by the sampler's floats; with k >= 1 also by the steps between them, and
 the mismatch metrics (`mismatch_*`) grow with the staleness: grpo.rollout_is != none is what
-corrects for it (none trains as if π_b were π_prox).
+corrects for it (none trains as if π_b were π_prox). Each token's age (LossInputs.ages: the
+trainer's step minus the version that sampled it, at most k) reaches the correction too: age-mask
+drops the tokens older than grpo.rollout_is_max_age steps.
 """
 from __future__ import annotations
 
@@ -56,7 +64,7 @@ from torch import Tensor
 from trainer import packing
 from trainer.credits import CREDITS
 from trainer.distributed import all_gather_list, collective_device
-from trainer.losses import LOSSES, PgInputs, clip_range, masked_mean
+from trainer.losses import LOG_RATIO_CLAMP, LOSSES, PgInputs, clip_range, masked_mean
 from trainer.policy_update import BatchTokens
 from trainer.rollout_correction import RolloutIS, is_weights, mismatch_metrics
 
@@ -239,8 +247,7 @@ def global_norm(mask_list: list[Tensor], agg: str, group: dist.ProcessGroup | No
 # -----------------------------------------------------------------------------
 # the policy loss
 
-LOG_RATIO_CLAMP = 20.0  # as SkyRL and verl: clamp log ρ before exp, so exp stays finite in fp32
-K3_MAX = 10.0  # and cap the k3 KL term: one extreme token cannot make a step non-finite
+K3_MAX = 10.0  # cap the k3 KL term (as SkyRL and verl): one extreme token cannot make a step non-finite
 
 
 @dataclass
@@ -256,6 +263,9 @@ class LossInputs:
     advantages: Tensor  # each token's advantage (token_advantages: the credit)
     turns: Tensor  # long: each token's turn in its episode (0 = the first)
     entropy: Tensor | None  # the policy's entropy at each token (a metric)
+    ages: Tensor | None = None  # long: each token's age, the trainer's step minus the version of the weights
+    #                             that sampled it (Trajectory.token_ages; 0 at stream.sampling_steps_ahead 0),
+    #                             what an age-aware rollout correction reads (trainer/rollout_correction.py)
 
 
 def loss_inputs(logprobs: Tensor, entropy: Tensor, mb: packing.MicroBatch, idx: list[int],
@@ -263,7 +273,7 @@ def loss_inputs(logprobs: Tensor, entropy: Tensor, mb: packing.MicroBatch, idx: 
     """One micro-batch's LossInputs from its packed forward: logprobs and entropy (N,), the flat
     loss tokens of mb's sequences (mb.counts[k] of them for sequence idx[mb.members[k]] of the
     batch), and the batch's per-sequence values (tokens: old, reference and sampler logprobs,
-    advantages, turns), each laid out (members, longest)."""
+    advantages, turns, ages), each laid out (members, longest)."""
     seqs, counts = [idx[j] for j in mb.members], mb.counts
 
     def rows(per_seq: dict[int, Tensor]) -> Tensor:
@@ -275,7 +285,7 @@ def loss_inputs(logprobs: Tensor, entropy: Tensor, mb: packing.MicroBatch, idx: 
                       sampler_logprobs=rows(tokens.sampler),
                       mask=packing.pad_flat(torch.ones_like(logprobs.detach()), counts),
                       advantages=rows(tokens.advantages), turns=rows(tokens.turns),
-                      entropy=packing.pad_flat(entropy, counts))
+                      entropy=packing.pad_flat(entropy, counts), ages=rows(tokens.ages))
 
 
 def policy_loss(inputs: LossInputs, norm: float, grpo_cfg: GRPOConfig,
@@ -286,16 +296,16 @@ def policy_loss(inputs: LossInputs, norm: float, grpo_cfg: GRPOConfig,
     inputs.old_logprobs, A = inputs.advantages, per token). grpo_cfg: the grpo config group (loss,
     clip_low/clip_high, dual_clip_c, kl_beta, loss_agg, rollout_is*, drgrpo_max_len); max_len:
     sampling.max_context, Dr. GRPO's L when grpo.drgrpo_max_len is 0.
-    Shared preparation: masked positions zeroed, log ρ_t = clamp(logp - old_logp, ±20).
+    Shared preparation: masked positions zeroed, log ρ_t = clamp(logp - old_logp, ±LOG_RATIO_CLAMP).
     The loss: pg_t from trainer/losses.LOSSES[grpo.loss] (formula in its function's docstring: grpo
     PPO-clip, gspo / gspo-token on the sequence ratio, cispo, ...), with ε_l, ε_h =
     clip_range(grpo.loss, grpo.clip_low, grpo.clip_high) (the loss's declared default where < 0).
     Shared parts, after it:
       dual-clip (losses declared dual_clip): if dual_clip_c > 0 and A < 0: pg = min(pg, -c·A) (verl)
-      rollout correction: pg *= w_t, w from rollout_correction.is_weights(old, sampler_logprobs) when
-        the sampler's logprobs are given (mismatch metrics are then logged; the weights only if
-        grpo.rollout_is != none)
-      ℓ = pg + kl_beta · k3,  k3 = min(exp(ref - logp) - (ref - logp) - 1, 10), ref - logp clamped ±20
+      rollout correction: pg *= w_t, w from rollout_correction.is_weights(old, sampler_logprobs, ages)
+        (the correction grpo.rollout_is names in CORRECTIONS) when the sampler's logprobs are given
+        (mismatch metrics are then logged; the weights only if grpo.rollout_is != none)
+      ℓ = pg + kl_beta · k3,  k3 = min(exp(ref - logp) - (ref - logp) - 1, K3_MAX), ref - logp clamped
     Aggregation (mask, agg = grpo.loss_agg, norm from global_norm(..., agg)):
         token-mean           Σ mask·ℓ / norm                          norm = global masked tokens
         seq-mean-token-mean  Σ_seq (Σ_t mask·ℓ / Σ_t mask) / norm      norm = global sequences
@@ -335,7 +345,8 @@ def policy_loss(inputs: LossInputs, norm: float, grpo_cfg: GRPOConfig,
     if inputs.sampler_logprobs is not None:
         metrics.update(mismatch_metrics(inputs.old_logprobs, inputs.sampler_logprobs, mask))
         if rollout_is.kind != "none":
-            weights, is_metrics = is_weights(inputs.old_logprobs, inputs.sampler_logprobs, mask, rollout_is)
+            weights, is_metrics = is_weights(inputs.old_logprobs, inputs.sampler_logprobs, mask, rollout_is,
+                                             inputs.ages)
             pg = pg * weights
             metrics.update(is_metrics)
     token_loss = pg

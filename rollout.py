@@ -22,7 +22,8 @@ keep decoding (ToolCalls; env.tool_wait: fixed = collected a fixed number of eng
 async = as soon as they arrive). Randomness is counter-based per (seed, trajectory, position)
 (engine/sampling.py): batching, sharing, evictions and timing never change a sample. Every
 sampled token also records the version of the weights that sampled it (Trajectory.versions:
-Engine.version, which a streaming GRPO step advances at each weight sync).
+Engine.version, which stream.py sets to the GRPO step whose weights the sampler holds; rollout()
+leaves it as it is).
 
 Tests: .venv/bin/pytest tests/test_rollout.py tests/test_engine.py tests/test_rollout_share.py
 Benchmarks: bench/sampler.py, bench/multiturn.py, bench/rollout_scale.py
@@ -127,6 +128,12 @@ class Trajectory:
             nxt = self.turn_spans[k + 1][0] if k + 1 < len(self.turn_spans) else len(self.ids)
             out.append({"text": tokenizer.decode(self.ids[start:end]), "observation": tokenizer.decode(self.ids[end:nxt])})
         return out
+
+    def token_ages(self, step: int) -> list[int]:
+        """Each loss token's age at the trainer's step `step`: step minus the version of the weights
+        that sampled it (versions), in the order token_turns lists the tokens. 0 for every token of
+        a synchronous step; up to stream.sampling_steps_ahead when sampling runs ahead."""
+        return [step - v for v, m in zip(self.versions[1:], self.loss_mask[1:]) if m]
 
     def token_turns(self) -> list[int]:
         """The turn (0 = the first) of each loss token: positions j >= 1 with loss_mask[j] = 1, in

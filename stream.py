@@ -2,23 +2,28 @@
 stream.sampling_steps_ahead = k steps ahead of the step that trains them.
 
     stream = RolloutStream(sampler, tokenizer, train_examples, cfg, rank, world)
-    episodes = stream.next_round(step, phase, first_group)   # the step's next chunk, every episode ended, rewarded
+    episodes = stream.next_round(step, phase, first_group)   # a round: the next chunk's episodes, ended, rewarded
     metrics = stream.step_metrics(trained_trajectories, step, device)   # the tail and the staleness (collective)
     stream.state_dict() / stream.load_state_dict(state)     # a checkpoint's episodes in flight
 
-What a step trains. The training prompts have one global order (PromptOrder: a seeded permutation
-per epoch), cut into chunks of grpo.prompts_per_step; each rank takes every world-th prompt of a
-chunk (its share) and grpo.group_size episodes of each. A step trains the groups of the next chunk
-(round 0) and, with dynamic sampling, of the chunks after it (its refill rounds, train.collect).
-Chunks are consumed in order, each once, on every rank alike; a chunk's episodes sample with keys
-from its index, so a chunk is the same work whenever it is decoded.
+The units of work. A step is one GRPO step and a group the grpo.group_size episodes of one prompt
+(each defined where its code lives: train.py, grpo.py). This file owns the other three:
+- chunk: grpo.prompts_per_step consecutive prompts of the one global order of training prompts
+  (PromptOrder: a seeded permutation per epoch); chunk c holds prompts c*P .. c*P+P-1. Chunks are
+  consumed in order, each once, on every rank alike; a chunk's episodes sample with keys from its
+  index, so a chunk is the same work whenever it is decoded.
+- rank share: a rank's part of a chunk, every world-th prompt of it with a group of episodes each
+  (Chunk holds this rank's share). Its episodes are the synchronous step's peak batch.
+- round: one next_round call: the next chunk, this rank's share decoded to its last episode and
+  rewarded. A step takes one round and, with dynamic sampling, refill rounds (train.collect).
+Engine steps, decode steps, optimizer steps and env steps are other units, always named in full.
 
-k = 0 (synchronous, the default): a round starts its chunk's episodes in one engine.add on a reset
-engine and decodes until the last one ends; nothing is decoded between steps. This is the
+k = 0 (synchronous, the default): a round starts its rank share's episodes in one engine.add on a
+reset engine and decodes until the last one ends; nothing is decoded between steps. This is the
 synchronous step, engine call for engine call.
 
-k >= 1: the sampler keeps decoding across step boundaries. The open episodes are held to one
-chunk's share (its rows: the synchronous step's peak batch); whenever enough of them have ended,
+k >= 1: the sampler keeps decoding across step boundaries. The open episodes are held to one rank
+share's episodes (the synchronous step's peak batch); whenever a group's worth of them have ended,
 the next group in the order is started, from the chunks up to k past the step's first. So the
 rows a synchronous step leaves idle while its last, longest episodes finish now decode the next
 steps' episodes, and the next step finds its chunk largely done. A round still waits for its own
@@ -32,7 +37,8 @@ chunk's last episode (a step trains whole groups, a chunk in order).
   chunk, so c_{v+k} >= c_v + k and the chunk is trained at step v + k at the latest: no trained
   token is more than k steps old, by construction (step_metrics logs the staleness).
 - The loss then holds three policies: the sampler's recorded logprobs are the behaviour policy, the
-  trainer's old logprobs the proximal one; grpo.py's rollout correction weighs between them.
+  trainer's old logprobs the proximal one; grpo.py's rollout correction weighs between them, and
+  reads each token's age (its step minus its version: Trajectory.token_ages, LossInputs.ages).
 - Another user of the engine (the evals: rollout() resets it) pauses the stream: at its next round
   the stream resets the engine and recomputes the KV of the episodes in flight from their ids, by
   the same weights (an eval runs after the sync); their tool calls keep running in the background.
@@ -83,8 +89,8 @@ class PromptOrder:
 
 @dataclass
 class Chunk:
-    """One chunk's share on this rank: its examples and their episodes, group-major (example i's
-    group at i*G .. i*G+G-1), started whole groups at a time, in order."""
+    """This rank's share of one chunk: its examples and their episodes, group-major (example i's
+    group at i*G .. i*G+G-1), started a whole group at a time, in order."""
     index: int  # chunk c holds prompts c*P .. c*P+P-1 of the global order
     prompts: list[int]  # this rank's share of them (indices into the training examples)
     examples: list[dict]
@@ -108,7 +114,7 @@ class RolloutStream:
         self.sampler, self.tokenizer, self.examples, self.cfg = sampler, tokenizer, examples, cfg
         self.rank, self.world, self.k = rank, world, cfg.stream.sampling_steps_ahead
         self.group_size, self.chunk_prompts = cfg.grpo.group_size, cfg.grpo.prompts_per_step
-        self.rows = -(-self.chunk_prompts // world) * self.group_size  # open episodes at most: one chunk's share
+        self.share_episodes = -(-self.chunk_prompts // world) * self.group_size  # a rank share's: the most open
         self.order = PromptOrder(len(examples), cfg.train.seed, cursor)
         self.consumed = cursor // self.chunk_prompts  # the next chunk a round delivers
         self.chunks: deque[Chunk] = deque()  # made, not yet consumed, in order
@@ -132,9 +138,9 @@ class RolloutStream:
     # one round: the next chunk, decoded to its last episode, rewarded
 
     def next_round(self, step: int, phase=None, first_group: int = 0) -> list[Episode]:
-        """The next chunk's episodes on this rank, every one ended and rewarded (rollout.Episode,
-        group first_group + i for its example i). The first round of a step starts a new step: its
-        version (the weights the sampler holds) and, for k >= 1, the chunks it may start ahead."""
+        """One round: this rank's share of the next chunk, every episode ended and rewarded
+        (rollout.Episode, group first_group + i for its example i). A step's first round starts the
+        step: its version (the weights the sampler holds) and, for k >= 1, the chunks it may start ahead."""
         phase = phase or (lambda name: contextlib.nullcontext())
         new_step = step != self.step
         if new_step:
@@ -195,10 +201,11 @@ class RolloutStream:
         engine.version = self.step  # the weights the sampler holds: the trainer's at this step
 
     def _start(self, round_chunk: int) -> None:
-        """Start the next groups in order while the open episodes leave room for a whole group,
-        from the chunks this round may start: its own, and up to k past the step's first."""
+        """Start the next groups in order while the open episodes leave room for a whole group (at
+        most one rank share's episodes open), from the chunks this round may start: its own, and
+        up to k past the step's first."""
         last = max(round_chunk, self.step_chunk + self.k)
-        trajs, dbs, room = [], [], self.rows - len(self.loop.open)
+        trajs, dbs, room = [], [], self.share_episodes - len(self.loop.open)
         for chunk in self._startable(last):
             while chunk.started < len(chunk.trajs) and room >= self.group_size:
                 group = slice(chunk.started, chunk.started + self.group_size)
@@ -239,16 +246,17 @@ class RolloutStream:
 
     def step_metrics(self, trained: list[Trajectory], step: int, device) -> dict:
         """The step's tail and staleness, reduced over ranks (a collective: every rank calls it).
-        live_row_share: rows decoded per decode step over the open-episode cap (one chunk's share,
-        the synchronous peak); decode_steps_per_episode: decode steps of this step's rounds per
-        trained episode; staleness_mean / _max: steps between the weights that sampled each trained
-        token and the step training it; stale_token_frac: the share of trained tokens sampled by
-        older weights."""
-        ages = [step - v for t in trained for v, m in zip(t.versions[1:], t.loss_mask[1:]) if m]
+        live_row_frac: rows decoded per decode step over the open-episode cap (a rank share's
+        episodes, the synchronous peak); decode_steps_per_episode: decode steps of this step's
+        rounds per trained episode; staleness_mean / _max: each trained token's age
+        (Trajectory.token_ages: the steps between the weights that sampled it and the step training
+        it), the maximum over every rank's tokens; stale_token_frac: the fraction of trained tokens
+        sampled by older weights."""
+        ages = [age for t in trained for age in t.token_ages(step)]
         steps, rows, episodes, age_sum, stale, tokens = all_sum(
             [self.decode_steps, self.live_row_steps, len(trained), sum(ages), sum(a > 0 for a in ages), len(ages)],
             device)
-        return {"live_row_share": rows / max(steps * self.rows, 1),
+        return {"live_row_frac": rows / max(steps * self.share_episodes, 1),
                 "decode_steps_per_episode": steps / max(episodes, 1),
                 "staleness_mean": age_sum / max(tokens, 1),
                 "staleness_max": float(all_max(max(ages, default=0), device)),

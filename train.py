@@ -42,26 +42,30 @@ from trainer.run_log import Log, Phases
 # data and prompts
 
 
-def load_splits(tok, cfg: C.Config, log: Log, rank: int, world: int) -> tuple[list[dict], list[dict]]:
-    """(train, eval) records. Every problem of both files and their databases is reported at once
-    (DatasetError); records whose gold query fails on its database are dropped and counted (each
-    rank runs a share of the golds; all ranks drop the same ones), as are those whose prompt
+def load_splits(tok, cfg: C.Config, log: Log, rank: int, world: int) -> tuple[list[dict], dict[str, list[dict]]]:
+    """(train records, held-out records by log prefix: "eval", and "unseen" when
+    data.unseen_eval_path is set). Every problem of the files and their databases is reported at
+    once (DatasetError); records whose gold query fails on its database are dropped and counted
+    (each rank runs a share of the golds; all ranks drop the same ones), as are those whose prompt
     exceeds data.max_prompt_tokens (or cannot fit sampling.max_context with one generated token)."""
     d = cfg.data
+    files = [("train", d.train_path, d.max_train_examples), ("eval", d.eval_path, d.max_eval_examples)]
+    if d.unseen_eval_path:
+        files.append(("unseen", d.unseen_eval_path, d.max_unseen_examples))
     splits, problems = {}, []
-    for name, path, limit in (("train", d.train_path, d.max_train_examples), ("eval", d.eval_path, d.max_eval_examples)):
+    for name, path, limit in files:
         try:
             splits[name] = dataset.load_examples(path, d.db_root, limit)
         except dataset.DatasetError as e:
             problems.append(str(e))
     if problems:
         raise dataset.DatasetError("\n".join(problems))
-    errors = map_shared(lambda exs: dataset.gold_failures(exs, cfg.reward), splits["train"] + splits["eval"], rank,
-                        world)  # each rank runs a share of the golds
-    n_train = len(splits["train"])
-    out = []
-    for name, path, exs, errs in (("train", d.train_path, splits["train"], errors[:n_train]),
-                                  ("eval", d.eval_path, splits["eval"], errors[n_train:])):
+    every = [ex for name, _, _ in files for ex in splits[name]]
+    errors = map_shared(lambda exs: dataset.gold_failures(exs, cfg.reward), every, rank, world)  # a share per rank
+    out, start = {}, 0
+    for name, path, _ in files:
+        exs, errs = splits[name], errors[start:start + len(splits[name])]
+        start += len(exs)
         exs, note = dataset.drop_failing_golds(exs, errs, name)
         if note:
             log.print(f"WARNING: {note}")
@@ -74,8 +78,18 @@ def load_splits(tok, cfg: C.Config, log: Log, rank: int, world: int) -> tuple[li
                       f"{cfg.sampling.max_context})")
         if not kept:
             raise C.ConfigError(f"{name}: every prompt of {path} is too long (data.max_prompt_tokens)")
-        out.append(kept)
-    return out[0], out[1]
+        out[name] = kept
+    train_ex = out.pop("train")
+    return train_ex, out
+
+
+def evaluate_held_out(sampler, tok, held_out: dict[str, list[dict]], cfg: C.Config, rank: int, world: int,
+                      device, log: Log, step: int) -> dict:
+    """Every held-out set at this step (eval/*, unseen/*); returns their metrics."""
+    metrics = {}
+    for prefix, exs in held_out.items():
+        metrics.update(evaluate(sampler, tok, exs, cfg, rank, world, device, log, step, prefix=prefix))
+    return metrics
 
 
 # -----------------------------------------------------------------------------
@@ -102,16 +116,16 @@ class Run:
 
 
 def collect(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list[Episode], list[Episode]]:
-    """A step's episodes: (kept, seen), this rank's. A round is the stream's next chunk: this rank's
-    share of the next grpo.prompts_per_step prompts, grpo.group_size episodes each, every one ended
-    and rewarded (stream.next_round; with stream.sampling_steps_ahead >= 1 most of it was decoded
-    during the steps before). Then the keep mask (dynamic sampling: groups whose rewards, or
-    verdicts, are all equal carry no signal). Rounds repeat, at most grpo.max_resample_rounds more,
-    until prompts_per_step groups are kept over all ranks; kept is cut to this rank's share, seen
-    holds every sampled episode (the step's metrics are over them)."""
+    """A step's episodes: (kept, seen), this rank's. A round (stream.next_round) gives this rank's
+    share of the next chunk (grpo.prompts_per_step prompts over all ranks), a group of episodes for
+    each prompt, every one ended and rewarded (with stream.sampling_steps_ahead >= 1 most of it was
+    decoded during the steps before). Then the keep mask (dynamic sampling: groups whose rewards,
+    or verdicts, are all equal carry no signal). Refill rounds follow, at most
+    grpo.max_resample_rounds, until prompts_per_step groups are kept over all ranks; kept is cut to
+    a rank share's episodes, seen holds every sampled episode (the step's metrics are over them)."""
     grpo_cfg = run.cfg.grpo
     G, P = grpo_cfg.group_size, grpo_cfg.prompts_per_step
-    share = P // run.world * G  # this rank's episodes a step
+    share_episodes = P // run.world * G  # episodes of a rank share: what this rank trains a step
     kept, seen = [], []
     for _ in range(1 + (grpo_cfg.max_resample_rounds if grpo_cfg.dynamic_sampling else 0)):
         episodes = stream.next_round(step, phase, first_group=len(seen) // G)
@@ -119,13 +133,15 @@ def collect(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list[Epi
         keep = grpo.keep_mask(episodes, G, grpo_cfg.dynamic_sampling_metric) if grpo_cfg.dynamic_sampling \
             else [True] * len(episodes)
         kept += [e for e, keep_it in zip(episodes, keep) if keep_it]
-        if not grpo_cfg.dynamic_sampling or all_sum([min(len(kept), share)], run.device)[0] >= P * G:
+        if not grpo_cfg.dynamic_sampling or all_sum([min(len(kept), share_episodes)], run.device)[0] >= P * G:
             break
-    return kept[:share], seen
+    return kept[:share_episodes], seen
 
 
 def grpo_step(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list, list, dict]:
-    """One GRPO step, every move in order: sample and reward (collect, with the keep mask), the
+    """One GRPO step, every move in order. A step (the word alone always means this one) trains one
+    batch of groups with one update, and the trainer at step s holds the weights of version s (each
+    sampled token records its version: Trajectory.versions). Its moves: sample and reward (collect, with the keep mask), the
     credit (grpo.token_advantages: each loss token's advantage; grpo.loss_episodes: which episodes
     enter the loss, all but the truncated ones with grpo.mask_truncated), the update (update, below: old /
     reference logprobs once, then per mini-batch each micro-batch's packed forward, grpo.policy_loss
@@ -145,7 +161,7 @@ def grpo_step(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list, 
         n_trained = all_sum([len(trajs)], run.device)[0]
     if n_trained > 0:  # every rank joins the update (FSDP collectives), even one with no episode to train
         with phase("update"):
-            metrics = update(run, trajs, advantages)
+            metrics = update(run, trajs, advantages, step)
     else:  # all groups had equal rewards (or every kept episode was masked): nothing to learn from, not an error
         why = "every kept episode was truncated (grpo.mask_truncated)" if n_kept else "every group had equal rewards"
         run.log.print(f"step {step + 1}: {why}: no update")
@@ -158,13 +174,14 @@ def grpo_step(run: Run, stream: RolloutStream, step: int, phase) -> tuple[list, 
     return kept, seen, metrics
 
 
-def update(run: Run, trajs: list, advantages: list[torch.Tensor]) -> dict:
+def update(run: Run, trajs: list, advantages: list[torch.Tensor], step: int = 0) -> dict:
     """The update of one batch: old / reference logprobs once, then per mini-batch (grpo.ppo_epochs x
     grpo.mini_batches slices) each micro-batch's packed forward, its LossInputs, grpo.policy_loss,
     backward (float16: of the loss times run.scaler's scale), and one optimizer step. advantages[i]:
-    trajectory i's, one per loss token. Returns the update's metrics (policy_update.UpdateMetrics.summary)."""
+    trajectory i's, one per loss token; step: the trainer's step (each token's age is step minus the
+    version that sampled it). Returns the update's metrics (policy_update.UpdateMetrics.summary)."""
     cfg, grpo_cfg, model = run.cfg, run.cfg.grpo, run.model
-    tokens = policy_update.batch_tokens(model, run.ref_model, trajs, advantages, cfg, run.device)  # per sequence
+    tokens = policy_update.batch_tokens(model, run.ref_model, trajs, advantages, cfg, run.device, step)  # per seq.
     metrics = policy_update.UpdateMetrics()
     for idx in policy_update.mini_batches(len(trajs), grpo_cfg):
         norm = grpo.global_norm(policy_update.loss_masks(trajs, idx), grpo_cfg.loss_agg)  # every rank: a collective
@@ -227,7 +244,8 @@ def main():
 
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)  # no network at run time
-    train_ex, eval_ex = load_splits(tok, cfg, log, rank, world)
+    train_ex, held_out = load_splits(tok, cfg, log, rank, world)
+    eval_ex = held_out["eval"]  # the warm start's evals and the random floor read this one
     ck = checkpoint.latest(cfg.train.out_dir) if cfg.train.resume != "false" else None
     # a warm start stopped before GRPO began (no ckpt_000000 yet) continues from its last save
     warm = checkpoint.warm_start_save(cfg.train.out_dir) if cfg.train.resume != "false" and not ck \
@@ -257,7 +275,7 @@ def main():
     # memory: the KV pool sized (sampling.kv_budget_tokens auto) from what is left once the rest of the
     # run is counted, and a config that cannot fit stopped here, before anything large is allocated
     # (this rank already holds the loaded weights)
-    sampling_cfg, _ = size_kv_pool(model, cfg, world, device, len(eval_ex), log.print)
+    sampling_cfg, _ = size_kv_pool(model, cfg, world, device, max(map(len, held_out.values())), log.print)
     model = shard(model, compute_dtype(cfg), cfg.model.fsdp_unit)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor: global count
     log.print(f"model: {param_count(model) / 1e6:.2f}M params, {trainable / 1e6:.3f}M trainable, world {world}, "
@@ -300,7 +318,7 @@ def main():
     if sampler.warm_up_s:  # CUDA: the first refresh compiled (or loaded from disk) and captured the decode step
         log.print(f"sampler: decode step compiled and captured in {sampler.warm_up_s:.1f} s")
     if step == 0:  # held-out EX before any GRPO step (after the warm start), beside the random floor
-        warm = evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
+        warm = evaluate_held_out(sampler, tok, held_out, cfg, rank, world, device, log, step)
         if rank == 0:
             report_random_floor(eval_ex, cfg, log, warm)
 
@@ -343,7 +361,7 @@ def main():
                       f"turns {summary['turns']:.2f} tools {summary['tool_calls']:.2f} | "
                       f"clip {step_metrics.get('clip_frac', 0):.3f} gnorm {step_metrics.get('grad_norm', 0):.3f} | "
                       + (f"scale {scaler.scale_value:g} skips {scaler.overflow_skips} | " if scaler.active else "")
-                      + f"{tok_s:.0f} tok/s live {step_metrics['live_row_share']:.2f}"
+                      + f"{tok_s:.0f} tok/s live {step_metrics['live_row_frac']:.2f}"
                       + (f" stale {step_metrics['staleness_mean']:.2f}" if cfg.stream.sampling_steps_ahead else "")
                       + f" | rollout {seconds['rollout']:.1f}s reward {seconds['reward']:.1f}s "
                       f"update {seconds.get('update', 0.0):.1f}s | ETA {eta / 60:.1f} min")
@@ -354,7 +372,7 @@ def main():
             if bad >= cfg.train.max_bad_steps:
                 raise RuntimeError(f"{bad} non-finite steps in a row: stopping")
         if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == cfg.train.steps:
-            evaluate(sampler, tok, eval_ex, cfg, rank, world, device, log, step)
+            evaluate_held_out(sampler, tok, held_out, cfg, rank, world, device, log, step)
         if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
             save(run, stream, step)
             saved_at = step

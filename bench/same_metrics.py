@@ -1,13 +1,16 @@
 """Are two runs' metrics the same? Every key of every line of two metrics.jsonl files, timing aside.
 
-    .venv/bin/python bench/same_metrics.py runs/ref/metrics.jsonl runs/new/metrics.jsonl
+    .venv/bin/python bench/same_metrics.py runs/ref/metrics.jsonl runs/new/metrics.jsonl [--renamed OLD=NEW ...]
 
 A change that only moves code must leave the main command's metrics.jsonl identical on every key
 (equal floats, not close ones): the held-out evals, the losses, the rewards, the grad norms. Timing
 and memory keys (time/*, mem/*, train/tokens_per_s) differ from run to run and are left out. Keys
 one file has and the other lacks are listed (a new metric is not a difference in behaviour).
+`--renamed OLD=NEW`: a metric the first file logs as OLD and the second as NEW (a rename) is
+compared under its new name.
 Prints one line per differing line, then the headline `identical_lines: K/N`; exit 1 when any differ.
 """
+import argparse
 import json
 import sys
 
@@ -19,11 +22,13 @@ def lines(path: str) -> list[dict]:
         return [json.loads(ln) for ln in fh if ln.strip()]
 
 
-def compare(a: list[dict], b: list[dict]) -> tuple[int, list[str], set[str]]:
-    """(identical lines, one description per differing line, keys in only one of the files)."""
+def compare(a: list[dict], b: list[dict], renamed: dict | None = None) -> tuple[int, list[str], set[str]]:
+    """(identical lines, one description per differing line, keys in only one of the files).
+    renamed: {a's key: b's key} for metrics renamed between the two runs."""
     same, diffs, only = 0, [], set()
+    renamed = renamed or {}
     for k, (x, y) in enumerate(zip(a, b)):
-        xs = {key: v for key, v in x.items() if not key.startswith(TIMING)}
+        xs = {renamed.get(key, key): v for key, v in x.items() if not key.startswith(TIMING)}
         ys = {key: v for key, v in y.items() if not key.startswith(TIMING)}
         only |= set(xs) ^ set(ys)
         bad = [key for key in set(xs) & set(ys) if xs[key] != ys[key]]
@@ -38,11 +43,15 @@ def compare(a: list[dict], b: list[dict]) -> tuple[int, list[str], set[str]]:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        sys.exit(__doc__)
-    a, b = lines(argv[0]), lines(argv[1])
-    same, diffs, only = compare(a, b)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("ref")
+    ap.add_argument("new")
+    ap.add_argument("--renamed", action="append", default=[], metavar="OLD=NEW",
+                    help="a metric REF logs as OLD and NEW logs as NEW, compared under NEW")
+    args = ap.parse_args(argv)
+    renamed = dict(x.split("=", 1) for x in args.renamed)
+    a, b = lines(args.ref), lines(args.new)
+    same, diffs, only = compare(a, b, renamed)
     for d in diffs:
         print(d)
     if only:

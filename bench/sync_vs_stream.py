@@ -12,8 +12,8 @@ times; every arm starts from the same weights and prompt order.
 Printed per arm, then the medians over pairs:
 - decode steps per trained episode (the engine's decode steps during the steps' rounds over the
   episodes trained): the schedule's count, the same on any machine; goal >= 1.6x fewer with k = 1;
-- the live-row share: rows decoded per decode step over the open-episode cap (one chunk's share,
-  the synchronous peak); goal >= 0.8 with k = 1;
+- the live-row fraction: rows decoded per decode step over the open-episode cap (a rank share's
+  episodes, the synchronous peak); goal >= 0.8 with k = 1;
 - rollout seconds per trained token on this CPU (a CPU decode step costs about in proportion to its
   rows, so fewer, fuller steps gain little here);
 - a GPU projection, labelled as one: the measured rows of every decode step, each step priced by the
@@ -82,7 +82,7 @@ def run_arm(cfg, warm: str, ahead: int, steps: int, tok, exs) -> dict:
             trained = len(kept)
             out["per_step"].append((m["decode_steps_per_episode"] * trained, trained))
             out["decode_steps"] += m["decode_steps_per_episode"] * trained
-            out["live_rows"] += m["live_row_share"] * m["decode_steps_per_episode"] * trained
+            out["live_rows"] += m["live_row_frac"] * m["decode_steps_per_episode"] * trained
             out["episodes"] += trained
             out["tokens"] += sum(e.trajectory.generated_tokens for e in kept)
             out["rollout_s"] += t.get("rollout", 0.0)
@@ -124,13 +124,13 @@ def main():
             r["per_episode"] = r["decode_steps"] / r["episodes"]
             later = r["per_step"][1:] or r["per_step"]  # step 1 is the same work in both arms (nothing ahead yet)
             r["per_episode_later"] = sum(x for x, _ in later) / sum(n for _, n in later)
-            r["live_share"] = r["live_rows"] / r["decode_steps"]
+            r["live_frac"] = r["live_rows"] / r["decode_steps"]
             r["s_per_token"] = r["rollout_s"] / r["tokens"]
             for shape in ("0.5b", "7b"):
                 r[f"gpu_{shape}"] = sum(h200_step_ms(b, shape) for b in r["rows_per_step"]) / r["episodes"]
             arms[name].append(r)
-            print(f"pair {pair + 1} {name:6s}: decode steps/episode {r['per_episode']:.3f}, live-row share "
-                  f"{r['live_share']:.3f}, rollout {1e3 * r['s_per_token']:.3f} ms/trained token, sampled EX "
+            print(f"pair {pair + 1} {name:6s}: decode steps/episode {r['per_episode']:.3f}, live-row fraction "
+                  f"{r['live_frac']:.3f}, rollout {1e3 * r['s_per_token']:.3f} ms/trained token, sampled EX "
                   f"{100 * statistics.mean(r['ex']):.1f}%, {r['episodes']} episodes trained ({time.time() - t0:.0f} s)",
                   flush=True)
 
@@ -149,8 +149,8 @@ def main():
               f"measurement): decode ms per trained episode: sync {s:.2f}, stream {t:.2f}, sync/stream {s / t:.2f}")
     print(f"decode_steps_per_episode_sync: {med('sync', 'per_episode'):.3f}")
     print(f"decode_steps_per_episode_stream: {med('stream', 'per_episode'):.3f}")
-    print(f"live_row_share_sync: {med('sync', 'live_share'):.3f}")
-    print(f"live_row_share_stream: {med('stream', 'live_share'):.3f}")
+    print(f"live_row_frac_sync: {med('sync', 'live_frac'):.3f}")
+    print(f"live_row_frac_stream: {med('stream', 'live_frac'):.3f}")
     print(f"decode_steps_ratio_sync_over_stream: {ratio:.2f}")
 
 

@@ -10,6 +10,7 @@ the held-out questions ask about the same databases as training, so they measure
 those schemas. Writes:
 - train.jsonl (473), eval.jsonl (203): each database's questions shuffled with --seed, its first
   round(0.7 n) to training (the split sql_env's counts give; which question goes where is ours);
+  each file then shuffled, so its first N records (data.max_eval_examples) mix the databases;
 - unseen.jsonl: every dev question on the other dev databases (none of which training reads): what
   carries over to a schema the policy never saw;
 - skipped.jsonl: questions whose database is missing or whose gold fails here, with the reason.
@@ -68,6 +69,8 @@ def prepare_sql_env(src, out, seed: int = 0, timeout_s: float = 30.0) -> dict[st
         raise SystemExit(f"error: no usable questions on {missing} in {src} (see skipped.jsonl)")
     train, held = split_by_database(pool, seed)
     unseen = [r for r in dev_recs if r["db_id"] not in DATABASES]
+    for records in (train, held, unseen):  # shuffled: any prefix (data.max_eval_examples) mixes the databases
+        random.Random(seed).shuffle(records)
     counts = {"train": write_jsonl(out / "train.jsonl", train), "eval": write_jsonl(out / "eval.jsonl", held),
               "unseen": write_jsonl(out / "unseen.jsonl", unseen), "skipped": write_jsonl(out / "skipped.jsonl", skipped)}
     print(f"  train {counts['train']}, eval {counts['eval']} (sql_env's 10 databases, 70/30 per database); "

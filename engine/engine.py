@@ -24,6 +24,8 @@ Tests: .venv/bin/pytest tests/test_engine.py tests/test_sampling.py
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.distributed.fsdp import FSDPModule
 
@@ -52,7 +54,7 @@ class Engine:
     def __init__(self, model, cfg, stopper: StopChecker, *, worst_case: list[int], greedy: bool = False,
                  dtype: torch.dtype | None = None, logits_hook=None):
         """cfg: config.SamplingConfig. worst_case: the most tokens each sequence of the work can
-        reach (the pool holds the smaller of their sum and cfg.kv_budget_tokens). dtype: the KV
+        reach (the pool holds the smaller of their sum and cfg.kv_budget_tokens; auto: their sum). dtype: the KV
         cache's, i.e. the compute dtype (default: the parameters'). logits_hook(logits (B, V),
         seqs) -> logits: instrumentation for tests and benchmarks (scripted behaviour)."""
         if isinstance(model, FSDPModule):
@@ -62,6 +64,11 @@ class Engine:
         weight = model.embed_tokens.weight
         self.device = weight.device
         bs = cfg.block_size
+        if cfg.kv_budget_tokens == "auto":
+            # the engine knows its work, not the device's memory: auto holds the work whole (a caller
+            # that must fit memory sizes auto first, trainer/memory.py)
+            cfg = dataclasses.replace(cfg, kv_budget_tokens=max(1, sum(worst_case)))
+            self.cfg = cfg
         if worst_case and cfg.kv_budget_tokens < max(worst_case):
             raise ValueError(f"sampling.kv_budget_tokens={cfg.kv_budget_tokens} cannot hold one sequence of "
                              f"{max(worst_case)} tokens (its prompt + turns, at most max_context): raise it")

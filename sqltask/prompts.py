@@ -202,7 +202,9 @@ def _fmt_value(v) -> str:
 
 
 def render_table(t: Table, style: str, keep: set | None = None, samples: bool = True) -> str:
-    """One table. keep: the column names to show (None = all); hidden ones are announced."""
+    """One table: style ddl (CREATE TABLE), compact (names only) or typed (names, types and keys on one
+    line: the actions protocol's DESCRIBE with env.describe=columns). keep: the column names to show
+    (None = all); hidden ones are announced (ddl, compact)."""
     cols = [c for c in t.columns if keep is None or c.name in keep]
     hidden = len(t.columns) - len(cols)
     if style == "compact":  # customers(id, name, city)
@@ -214,6 +216,9 @@ def render_table(t: Table, style: str, keep: set | None = None, samples: bool = 
     for src, ref, dst in t.fks:
         to = f" ({', '.join(map(quote, dst))})" if all(dst) else ""
         tail.append(f"FOREIGN KEY ({', '.join(map(quote, src))}) REFERENCES {quote(ref)}{to}")
+    if style == "typed":  # customers(id INTEGER, name TEXT; PRIMARY KEY (id)): the DDL's facts on one line
+        typed = ", ".join(f"{quote(c.name)}{' ' + c.type if c.type else ''}" for c in cols)
+        return f"{quote(t.name)}({typed}{'; ' if tail else ''}{'; '.join(tail)})"
     lines = []
     for i, c in enumerate(cols):
         comma = "," if i < len(cols) - 1 or tail else ""

@@ -173,11 +173,12 @@ def loop_assets(tmp_path_factory) -> list[str]:
 
 
 def loss_of(logp, old, adv, mask, *, norm, ref_logp=None, rollout_logp=None, entropy=None, turns=None,
-            max_len=0, agg=None, rollout_is=None, **grpo_keys):
+            ages=None, max_len=0, agg=None, rollout_is=None, **grpo_keys):
     """grpo.policy_loss on loose (B, T) tensors, packed into the LossInputs the update builds.
     adv: (B,) per sequence (expanded over its tokens) or (B, T) per token; grpo_keys: grpo config
     keys (loss, clip_low, clip_high, dual_clip_c, kl_beta, ...) over GRPOConfig's defaults; agg:
-    grpo.loss_agg; rollout_is: a rollout_correction.RolloutIS (its kind and bounds)."""
+    grpo.loss_agg; rollout_is: a rollout_correction.RolloutIS (its kind and bounds); ages: (B, T) long,
+    each token's age (LossInputs.ages)."""
     import dataclasses
 
     import torch
@@ -190,9 +191,10 @@ def loss_of(logp, old, adv, mask, *, norm, ref_logp=None, rollout_logp=None, ent
         grpo_keys["loss_agg"] = agg
     if rollout_is is not None:
         grpo_keys.update(rollout_is=rollout_is.kind, rollout_is_cap=rollout_is.cap, rollout_is_low=rollout_is.low,
-                         rollout_is_high=rollout_is.high, rollout_is_delta=rollout_is.delta)
+                         rollout_is_high=rollout_is.high, rollout_is_delta=rollout_is.delta,
+                         rollout_is_max_age=rollout_is.max_age)
     g = dataclasses.replace(GRPOConfig(), **grpo_keys)
-    inputs = grpo.LossInputs(logp, old, ref_logp, rollout_logp, mask, adv, turns, entropy)
+    inputs = grpo.LossInputs(logp, old, ref_logp, rollout_logp, mask, adv, turns, entropy, ages)
     return grpo.policy_loss(inputs, norm, g, max_len)
 
 

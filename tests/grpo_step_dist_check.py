@@ -71,7 +71,7 @@ class IdleStream:
     """Stands in for the RolloutStream: collect is replaced, so it decoded nothing; its step metrics
     (a collective every rank joins) are the real ones."""
     decode_steps = live_row_steps = 0
-    rows = 8
+    share_episodes = 8
     step_metrics = stream.RolloutStream.step_metrics
 
 

@@ -73,7 +73,7 @@ def test_an_int_or_auto_key_takes_auto_or_an_int_and_nothing_else():
             C.load_config([f"--sampling.kv_budget_tokens={bad}"])
 
 
-def test_the_silently_wrong_values_of_the_issue_are_all_named_at_once():
+def test_silently_wrong_values_are_all_named_at_once():
     """group_size 1 (advantage 0 for every sample: nothing learned), temperature -1 (the sampler goes
     greedy while the trainer divides logits by -1), max_turns 0 (one turn ran anyway)."""
     cfg = C.load_config(["--grpo.group_size=1", "--sampling.temperature=-1", "--env.max_turns=0"])
@@ -115,6 +115,13 @@ def test_prompts_per_step_divisible_by_the_world_size():
     (["--grpo.credit=lookup_bonus", "--grpo.turn_discount=0.9"], "grpo.turn_discount=0.9 is read by the turn_discount"),
     (["--grpo.credit=lookup_bonus"], r"grpo.credit=lookup_bonus reads grpo.lookup_bonus, left at 0.0: off"),
     (["--grpo.loss=cispo", "--grpo.dual_clip_c=3"], "dual-clip caps a PPO-clip loss, and grpo.loss=cispo has none"),
+    # SAPO's gate has no clip: a clip key set for it would be accepted and ignored
+    (["--grpo.loss=sapo", "--grpo.clip_high=0.28"], r"grpo.loss=sapo has no clip: .* must stay < 0"),
+    (["--grpo.loss=sapo", "--grpo.clip_low=0.2"], r"grpo.loss=sapo has no clip: .* must stay < 0"),
+    # a correction reading the tokens' ages on synchronous steps (every age 0), or masking none of them
+    (["--grpo.rollout_is=age-mask"], r"grpo.rollout_is=age-mask reads each token's age, and with "
+                                     r"stream.sampling_steps_ahead=0"),
+    (["--grpo.rollout_is=age-mask", "--stream.sampling_steps_ahead=1"], "age-mask would mask nothing"),
 ])
 def test_keys_that_must_agree(overrides, match):
     with pytest.raises(C.ConfigError, match=match):
@@ -159,6 +166,10 @@ def test_keys_that_must_agree(overrides, match):
     (["--grpo.credit=turn_discount", "--grpo.turn_discount=1.0"], 1, "grpo.credit=turn_discount reads grpo.turn_discount"),
     (["--grpo.credit=turn_discount", "--grpo.turn_discount=0.0"], 1, r"grpo.turn_discount must be \(0, 1\]"),
     (["--grpo.loss=gspo", "--grpo.dual_clip_c=3"], 1, None),
+    # age-mask's N below k: it masks the tokens N + 1 .. k steps old
+    (["--grpo.rollout_is=age-mask", "--stream.sampling_steps_ahead=2", "--grpo.rollout_is_max_age=1"], 1, None),
+    (["--grpo.rollout_is=age-mask", "--stream.sampling_steps_ahead=2", "--grpo.rollout_is_max_age=2"], 1,
+     r"grpo.rollout_is_max_age=2: no trained token is older than stream.sampling_steps_ahead=2"),
 ])
 def test_rules_between_keys_at_their_boundaries(overrides, world, error):
     cfg = C.load_config(overrides)
@@ -198,7 +209,7 @@ def test_model_folder_checks(tmp_path):
     config_checks.check_model_folder(str(good))
     with pytest.raises(C.ConfigError, match="model.path .*nope: no such folder"):
         config_checks.check_model_folder(str(tmp_path / "nope"))
-    only_config = tmp_path / "only_config"  # the issue: "chat_template is not set" from deep inside
+    only_config = tmp_path / "only_config"  # once: "chat_template is not set" from deep inside
     only_config.mkdir()
     shutil.copy(good / "config.json", only_config)
     with pytest.raises(C.ConfigError, match="--model .*only_config: no tokenizer"):

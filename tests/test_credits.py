@@ -16,6 +16,7 @@ from config import GRPOConfig
 from grpo import advantages
 from reward import Reward
 from rollout import Trajectory
+from trainer.config_checks import RANGES
 from trainer.credits import CREDITS, CreditSpec, gold_literals, turn_rewards
 
 
@@ -116,7 +117,7 @@ def test_turn_discount_advantages_hand():
 
 @pytest.mark.parametrize("mode", ["group", "batch"])
 def test_a_group_with_equal_whole_returns_is_floored_not_divided_by_eps(mode):
-    """The issue's blow-up. Lookup bonus 0.5, both episodes found the code and answered right: whole
+    """A blow-up the floor prevents. Lookup bonus 0.5, both episodes found the code and answered right: whole
     returns 1.5 and 1.5, std 0. Without the floor the answer turns got (1.0 - 1.5) / eps (-5e5 at
     eps 1e-6); with it the scale is the largest deviation 0.5 (+ eps): lookup turns 0, answer turns
     -0.5 / 0.5 = -1. Turn discount 0.5, two right 3-turn episodes: returns (0.25, 0.5, 1) each, the
@@ -187,13 +188,23 @@ def random_batch(rng: random.Random, G: int, outcomes: str) -> list:
     return batch
 
 
+def random_size(key: str, rng: random.Random) -> float:
+    """A random value of grpo.<key> inside its range (trainer/config_checks.RANGES), never its
+    bound: a credit's size."""
+    rule = RANGES[f"grpo.{key}"][0]
+    if rule.startswith(">"):
+        return float(rule.lstrip(">= ")) + rng.uniform(0.01, 2.0)
+    low, high = (float(x) for x in rule[1:-1].split(","))
+    return rng.uniform(low + 0.05 * (high - low), high)
+
+
 @pytest.mark.parametrize("mode", ["group", "batch", "none"])
-@pytest.mark.parametrize("credit", ["outcome", "lookup_bonus", "turn_discount", "any_returns"])
+@pytest.mark.parametrize("credit", [*CREDITS, "any_returns"])
 def test_every_advantage_is_finite_and_bounded_on_random_groups(mode, credit, monkeypatch):
-    """Over random groups (equal, SkyRL, nearly equal and normal outcomes; bonuses and discounts of
-    random size; "any_returns": a stand-in credit giving each turn any return, up to 100x apart),
-    every advantage is finite, within the bound above, and equal to the loop reference; the outcome
-    credit's are GRPO's flat advantages bit for bit."""
+    """Over random groups (equal, SkyRL, nearly equal and normal outcomes) every registered credit,
+    each with random sizes of the keys it declares, and "any_returns" (a stand-in credit giving each
+    turn any return, up to 100x apart): every advantage is finite, within the bound above, and equal
+    to the loop reference; the outcome credit's are GRPO's flat advantages bit for bit."""
     rng = random.Random(f"{mode}-{credit}")
     monkeypatch.setitem(CREDITS, "any_returns", CreditSpec("any_returns", lambda e, cfg: e.any_returns, ()))
     for trial in range(24):
@@ -203,8 +214,7 @@ def test_every_advantage_is_finite_and_bounded_on_random_groups(mode, credit, mo
             size = rng.choice([1e-3, 1.0, 100.0])
             e.any_returns = [rng.gauss(0, size) for _ in range(e.trajectory.num_turns)]
         cfg = GRPOConfig(group_size=G, advantage=mode, credit=credit, adv_eps=rng.choice([1e-6, 1e-2]),
-                         lookup_bonus=rng.uniform(0.01, 2.0) if credit == "lookup_bonus" else 0.0,
-                         turn_discount=rng.uniform(0.05, 1.0) if credit == "turn_discount" else 1.0)
+                         **{key: random_size(key, rng) for key in CREDITS[credit].keys})
         returns = [CREDITS[credit].returns(e, cfg) for e in batch]
         adv = grpo.token_advantages(batch, cfg)
         want = loop_reference(returns, G, mode, cfg.adv_eps)

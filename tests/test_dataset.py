@@ -88,7 +88,7 @@ def test_run_gold(root):
 
 
 def test_unusable_databases_are_named_at_load(root, tmp_path):
-    """A 0-byte database opens as an empty one (the issue: empty schema in the prompt, its 60 questions
+    """A 0-byte database opens as an empty one (an empty schema in the prompt, its 60 questions
     always wrong, exit 0); a corrupt one was a sqlite3 traceback naming no file at the first rollout.
     Each is named once at load, with its record count and first line, beside the other problems."""
     (root / "db" / "empty.sqlite").write_bytes(b"")

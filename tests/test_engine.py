@@ -24,6 +24,7 @@ from model import Transformer
 from rollout import generate, rollout
 from sqltask.chat import conversation_wrapper, eos_ids, render_prompt
 from engine.sampling import StopChecker, row_key, sample_next
+from engine.scheduler import Sequence
 
 torch.set_num_threads(2)
 STOPS = ["</sql>", "</solution>"]
@@ -360,6 +361,27 @@ def test_decode_windows_match_reference(biased, window):
         false_alarms += int(candidates[g.ids[len(p):-1]].sum())
     assert {"stop", "eos", "length"} <= {g.turn_stop for g in got}, [g.turn_stop for g in got]
     assert false_alarms > 0  # rows the device stopped on a token that ended nothing decoded on
+
+
+def test_a_row_that_stops_mid_window_records_versions_only_for_its_tokens(biased):
+    """Rows stop at different steps of windows of 8 (stop strings, EOS, their budget): each keeps a
+    version for exactly the tokens it kept, the engine's version on its sampled tokens, 0 elsewhere."""
+    from engine.engine import Engine
+    tok, model = biased
+    prompts = [tok.encode(t) for t in ["How many singers?", "SELECT name FROM", "x", "Zürich café <think>"]] * 2
+    cfg = scfg(max_new_tokens=30, decode_steps_per_sync=8)
+    stopper = StopChecker(tok, STOPS, eos_ids(tok), model.config.vocab_size)
+    seqs = [Sequence(list(p), key=row_key(3, i), index=i) for i, p in enumerate(prompts)]
+    with Engine(model, cfg, stopper, worst_case=[len(p) + 30 for p in prompts]) as engine:
+        engine.version = 7
+        engine.add(seqs)
+        while engine.busy():
+            for s in engine.step():
+                engine.finish(s)
+    sampled = [len(s.ids) - len(p) for s, p in zip(seqs, prompts)]
+    assert any((n - 1) % 8 for n in sampled), sampled  # after the prefill's token, some ended mid-window
+    for s in seqs:
+        assert s.versions == [7 if m else 0 for m in s.loss_mask], (s.index, len(s.versions), len(s.ids))
 
 
 def test_decode_window_by_device(biased):

@@ -456,6 +456,33 @@ def table_rows(observation: str) -> list[str]:
     return lines[lines.index("id") + 1:]
 
 
+def test_describe_columns_puts_every_column_type_and_key_on_one_line(tmp_path):
+    """env.describe=columns: names and types in the table's order, its primary and foreign keys, as
+    SQLite's own PRAGMA table_info / foreign_key_list report them, on one line; the stored DDL (the
+    default) is returned as written."""
+    db = tmp_path / "shop.sqlite"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE maker (id INTEGER PRIMARY KEY, name TEXT)")
+    con.execute('CREATE TABLE "Item" (sku TEXT NOT NULL DEFAULT \'\', price REAL, maker_id INTEGER, '
+                "PRIMARY KEY (sku), FOREIGN KEY (maker_id) REFERENCES maker (id))")
+    con.commit()
+    info = con.execute("PRAGMA table_info('Item')").fetchall()  # (cid, name, type, notnull, default, pk)
+    fks = con.execute("PRAGMA foreign_key_list('Item')").fetchall()  # (id, seq, table, from, to, ...)
+    con.close()
+    columns = ", ".join(f"{name} {type_}" for _, name, type_, *_ in info)
+    keys = [f"PRIMARY KEY ({', '.join(r[1] for r in info if r[5])})"]
+    keys += [f"FOREIGN KEY ({f[3]}) REFERENCES {f[2]} ({f[4]})" for f in fks]
+    cfg = EnvConfig(protocol="actions", tool_timeout_s=T, describe="columns", obs_template="[{result}]")
+    out = env.step_batch([db, db], ["<action>DESCRIBE item</action>", "<action>DESCRIBE nope</action>"], [3, 3], cfg)
+    assert out[0].observation == f"[Item({columns}; {'; '.join(keys)})]"
+    assert out[0].observation == "[Item(sku TEXT, price REAL, maker_id INTEGER; PRIMARY KEY (sku); " \
+                                 "FOREIGN KEY (maker_id) REFERENCES maker (id))]"
+    assert "no table named 'nope'" in out[1].observation and not out[1].done
+    cfg.describe = "ddl"
+    ddl, = env.step_batch([db], ["<action>DESCRIBE Item</action>"], [3], cfg)
+    assert ddl.observation.startswith('[CREATE TABLE "Item" (sku TEXT NOT NULL DEFAULT')
+
+
 def test_actions_row_limits_at_their_boundaries(tiny_db):
     """The actions protocol's own row limits, from its config: QUERY shows at most
     env.actions_max_result_rows rows (exactly that many: all, no note; one more: the first that many

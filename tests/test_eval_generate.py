@@ -339,7 +339,7 @@ def test_resolve_model(checkpoint_dir, tmp_path):
 
 
 def test_a_checkpoint_is_evaluated_with_its_own_settings(setup, checkpoint_dir, monkeypatch, capsys):
-    """The issue: the README's command (no --config) ran the defaults (SkyRL template, 6 turns, 3000
+    """Before: the README's command (no --config) ran the defaults (SkyRL template, 6 turns, 3000
     tokens a turn) on a tiny checkpoint: no progress after 400 s, EX 0%. The checkpoint's
     config.yaml holds the run's settings; --data and --db-root default to its eval split."""
     d, data, _ = setup
@@ -363,7 +363,7 @@ def test_a_checkpoint_is_evaluated_with_its_own_settings(setup, checkpoint_dir, 
 
 
 def test_a_missing_model_is_an_immediate_error_without_the_network(setup, tmp_path):
-    """The issue: a --model that does not exist was taken for a hub name and retried for 49 s."""
+    """A --model that does not exist was once taken for a hub name and retried for 49 s."""
     _, data, _ = setup
     t0 = time.time()
     with pytest.raises(C.ConfigError, match=f"--model {tmp_path}/nope: no such folder"):

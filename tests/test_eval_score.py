@@ -60,7 +60,7 @@ def test_score_cli(tiny_set):
 
 
 def test_score_names_a_corrupt_or_empty_database_in_its_summary_line(tiny_set):
-    """The issue: a corrupt database gave "EX 0/8 (0 skipped: database missing)", the reason only in
+    """Before: a corrupt database gave "EX 0/8 (0 skipped: database missing)", the reason only in
     --out. Now its examples are skipped, and the summary line counts them and names the file."""
     tmp, gold, pred, root = tiny_set
     (root / "broken").mkdir()

@@ -16,7 +16,7 @@ from conftest import loss_of
 from grpo import AGGS, LossInputs, global_norm, policy_loss
 from config import GRPOConfig
 from trainer.losses import LOSSES, clip_range
-from trainer.rollout_correction import KINDS, RolloutIS
+from trainer.rollout_correction import CORRECTIONS, RolloutIS
 
 L = math.log
 CLIP = dict(clip_low=0.2, clip_high=0.2)
@@ -277,14 +277,15 @@ def test_micro_batch_split_invariance_all_losses(loss_name, agg):
     rollout = old + 0.2 * torch.randn(B, T, generator=g)
     adv = torch.randn(B, generator=g)
     mask = torch.arange(T)[None] < torch.tensor([9, 1, 4, 0, 7, 2, 5])[:, None]
+    ages = torch.randint(0, 3, (B, T), generator=g)
     clip = dict(clip_low=0.2, clip_high=0.28) if LOSSES[loss_name].clip else {}
-    for kind in KINDS:
+    for kind in CORRECTIONS:
         kw = dict(loss=loss_name, **clip, kl_beta=0.05, agg=agg, max_len=T,
-                  rollout_is=RolloutIS(kind, cap=1.5, low=0.7, high=1.4, delta=0.3))
+                  rollout_is=RolloutIS(kind, cap=1.5, low=0.7, high=1.4, delta=0.3, max_age=1))
 
         def part_loss(rows, norm):
             return loss_of(logp[rows], old[rows], adv[rows], mask[rows], ref_logp=ref[rows],
-                               rollout_logp=rollout[rows], norm=norm, **kw)[0]
+                               rollout_logp=rollout[rows], ages=ages[rows], norm=norm, **kw)[0]
 
         full = part_loss(slice(0, B), global_norm([mask], agg))
         (g_full,) = torch.autograd.grad(full, logp)
@@ -311,13 +312,14 @@ def test_masked_positions_holding_inf_or_nan(loss_name, bad):
     mask[0, 0] = False  # a masked position before the loss tokens (a prompt / tool output)
     base = {k: torch.randn(B, T, generator=g) - 1.0 for k in ("logp", "old", "ref", "rollout", "ent")}
     adv = torch.randn(B, generator=g)
+    ages = torch.randint(0, 3, (B, T), generator=g)
     spec = LOSSES[loss_name]
     clip = dict(clip_low=0.2, clip_high=0.28) if spec.clip else {}
-    for kind in KINDS:
+    for kind in CORRECTIONS:
         for agg in AGGS:
-            kw = dict(loss=loss_name, **clip, kl_beta=0.05, agg=agg, max_len=T,
+            kw = dict(loss=loss_name, **clip, kl_beta=0.05, agg=agg, max_len=T, ages=ages,
                       dual_clip_c=3.0 if spec.dual_clip else 0.0,
-                      rollout_is=RolloutIS(kind, cap=1.5, low=0.7, high=1.4, delta=0.3))
+                      rollout_is=RolloutIS(kind, cap=1.5, low=0.7, high=1.4, delta=0.3, max_age=1))
             out = []
             for fill in (0.0, bad):
                 t = {k: torch.where(mask, v, torch.full_like(v, fill)) for k, v in base.items()}

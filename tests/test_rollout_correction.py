@@ -1,5 +1,6 @@
 """trainer/rollout_correction.py (sampler vs trainer logprobs: mismatch metrics, truncated / masked IS,
-the geometric sequence mask) against hand-computed values, and how policy_loss applies it.
+the geometric sequence mask, the age mask) against hand-computed values, how policy_loss applies
+them, and the registry config.py and the shared loss tests read (CORRECTIONS).
 
     .venv/bin/pytest tests/test_rollout_correction.py -q
 """
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from conftest import loss_of
-from trainer.rollout_correction import RolloutIS, is_weights, mismatch_metrics
+from trainer.rollout_correction import CORRECTIONS, RolloutIS, is_weights, mismatch_metrics
 
 L = math.log
 
@@ -105,3 +106,47 @@ def test_policy_loss_applies_weights_to_pg_only():
     want = want - 0.1 * mask / 5
     assert approx(logp.grad, want)
     assert approx(met["is_weight_mean"], (2 + 0.4 + 1 + 1.1 + 1.1) / 5)
+
+
+# -----------------------------------------------------------------------------
+# the age mask: tokens sampled more than N steps before the trainer's step
+
+
+AGES = torch.tensor([[0, 2, 1], [1, 3, 9], [5, 5, 5]])  # row 1's third slot and row 2 are padding
+
+
+def test_age_mask_hand():
+    """w_t = 1 if a_t ≤ N else 0, whatever the ratio: N = 1 keeps ages 0 and 1, N = 0 only 0."""
+    old, rollout, mask = batch()
+    w, met = is_weights(old, rollout, mask, RolloutIS("age-mask", max_age=1), AGES)
+    assert approx(w[:2], [[1, 0, 1], [1, 0, 0]]) and (w[2] == 0).all()
+    assert approx(met["is_drop_frac"], 2 / 5) and approx(met["is_weight_mean"], 3 / 5)
+    w, _ = is_weights(old, rollout, mask, RolloutIS("age-mask", max_age=0), AGES)
+    assert approx(w[:2], [[1, 0, 0], [0, 0, 0]])
+    with pytest.raises(ValueError, match="reads each token's age"):
+        is_weights(old, rollout, mask, RolloutIS("age-mask"))
+
+
+def test_policy_loss_drops_the_tokens_older_than_max_age():
+    """On-policy (ρ = 1) the per-token pg is -A; age-mask with N = 1 keeps row 0's tokens 0 and 2
+    (A = 1) and row 1's token 0 (A = -3): loss (-2 + 3) / 5, the dropped tokens still counted in the
+    normaliser, and no gradient through them."""
+    old, rollout, mask = batch()
+    old = torch.where(mask.bool(), old, torch.zeros_like(old))
+    logp = old.clone().requires_grad_()
+    loss, met = loss_of(logp, old, torch.tensor([1.0, -3.0, 5.0]), mask, rollout_logp=rollout, ages=AGES, norm=5,
+                        rollout_is=RolloutIS("age-mask", max_age=1), clip_low=0.2, clip_high=0.2)
+    assert approx(loss, (-2 + 3) / 5) and approx(met["is_drop_frac"], 2 / 5)
+    loss.backward()
+    assert approx(logp.grad, torch.tensor([[-1, 0, -1], [3, 0, 0], [0, 0, 0]]) / 5)
+
+
+def test_every_registered_correction_is_a_value_of_the_key_and_its_bounds_are_keys():
+    """config.py offers exactly the registered corrections as grpo.rollout_is; each correction's
+    declared keys are grpo keys with a range (trainer/config_checks.RANGES)."""
+    import dataclasses
+    from config import GRPOConfig
+    from trainer.config_checks import RANGES
+    field = next(f for f in dataclasses.fields(GRPOConfig) if f.name == "rollout_is")
+    assert set(field.metadata["choices"]) == set(CORRECTIONS)
+    assert all(f"grpo.{key}" in RANGES for spec in CORRECTIONS.values() for key in spec.keys)

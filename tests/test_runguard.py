@@ -204,7 +204,7 @@ def train_steps(out_dir) -> list[int]:
 
 
 def test_sigint_stops_at_a_step_boundary_one_run_per_out_dir_and_no_step_logged_twice(tmp_path):
-    """The issue: Ctrl-C printed a KeyboardInterrupt traceback and lost every GRPO step since the
+    """Before: Ctrl-C printed a KeyboardInterrupt traceback and lost every GRPO step since the
     last checkpoint; a second run into the same out_dir ran beside the first (both exit 0, each
     step logged twice); after a resume metrics.jsonl held the resumed steps twice."""
     run = tmp_path / "run"

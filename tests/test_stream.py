@@ -126,6 +126,28 @@ def one_straggler_per_chunk(monkeypatch):
     monkeypatch.setattr(Engine, "reset", with_hook)
 
 
+@pytest.fixture
+def turns_of_varied_length(monkeypatch):
+    """Every engine run gets a logits hook that closes sequence i's message (EOS) after 1 + i % 7
+    tokens: rows that joined the decode batch together leave it at different steps."""
+    from engine.engine import Engine
+    reset = Engine.reset
+
+    def with_hook(engine, stopper, *, logits_hook=None, **kw):
+        if not stopper.eos:  # the sampler's own first reset (no run yet)
+            return reset(engine, stopper, logits_hook=logits_hook, **kw)
+        eos = min(stopper.eos)
+
+        def hook(logits, seqs):
+            for b, seq in enumerate(seqs):
+                if len(seq.ids) - seq.turn_start >= seq.index % 7:
+                    logits[b] = float("-inf")
+                    logits[b, eos] = 0.0
+            return logits
+        return reset(engine, stopper, logits_hook=logits_hook or hook, **kw)
+    monkeypatch.setattr(Engine, "reset", with_hook)
+
+
 # -----------------------------------------------------------------------------
 # k = 0: the synchronous step
 
@@ -151,11 +173,11 @@ def test_k0_steps_equal_rollout_then_reward_rounds(assets, monkeypatch):
     want = [m for _, _, m in steps(run, stream, 3)]
     stream.close()
     # the stream's own metrics: the reference path neither counts the engine's steps nor sets its version
-    own = ("live_row_share", "decode_steps_per_episode", "staleness_mean", "staleness_max", "stale_token_frac")
+    own = ("live_row_frac", "decode_steps_per_episode", "staleness_mean", "staleness_max", "stale_token_frac")
     for g, w in zip(got, want):
         assert g.get("grad_norm", 0) > 0  # the weights moved: later steps compare something
         assert {k: v for k, v in g.items() if k not in own} == {k: v for k, v in w.items() if k not in own}
-        assert (g["staleness_max"], g["stale_token_frac"]) == (0.0, 0.0) and 0 < g["live_row_share"] <= 1
+        assert (g["staleness_max"], g["stale_token_frac"]) == (0.0, 0.0) and 0 < g["live_row_frac"] <= 1
 
 
 # -----------------------------------------------------------------------------
@@ -214,6 +236,119 @@ def test_recompute_kv_continues_the_same_ids(assets):
     stream.close()
 
 
+def test_open_episodes_never_exceed_one_rank_share(assets):
+    """The stream starts the next group only when a whole group's rows are free: the open episodes
+    never exceed one rank share's episodes (the synchronous step's peak batch, which sizes the KV)."""
+    cfg = config(assets, stream__sampling_steps_ahead=2, grpo__group_size=3)
+    run, stream, _ = make_run(cfg)
+    add, most = stream.loop.add, []
+
+    def add_and_count(trajs, dbs):
+        ended = add(trajs, dbs)
+        most.append(len(stream.loop.open) + len(ended))  # open right after the add, before any ended at once
+        return ended
+    stream.loop.add = add_and_count
+    steps(run, stream, 3)
+    stream.close()
+    assert max(most) == stream.share_episodes, (most, stream.share_episodes)  # never above the cap, and reached
+    assert len(most) > 4  # groups also started mid-round, as rows freed up
+
+
+def test_a_chunk_decoded_ahead_equals_the_same_chunk_decoded_synchronously(assets):
+    """On fixed weights (no update between rounds) a chunk decoded ahead, k = 1 (most of its episodes
+    started during the round before it), samples what the synchronous stream samples for it: each
+    chunk's keys come from its index, not from the round that happens to start it."""
+    def chunks(ahead):
+        run, stream, _ = make_run(config(assets, stream__sampling_steps_ahead=ahead))
+        out = [[(e.trajectory.seq.key, list(e.trajectory.ids)) for e in stream.next_round(step)] for step in range(3)]
+        stream.close()
+        return out
+    sync, ahead = chunks(0), chunks(1)
+    assert [[key for key, _ in c] for c in ahead] == [[key for key, _ in c] for c in sync]
+    assert ahead == sync
+    keys = [key for c in sync for key, _ in c]
+    assert len(set(keys)) == len(keys)  # no two episodes of any chunks share a key
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_round_recomputes_the_kv_in_flight_only_under_recompute_kv(assets, monkeypatch, recompute):
+    """With stream.recompute_kv false and nothing else using the engine, no round recomputes the KV
+    of the episodes in flight (the stream records its own engine reset); with it true, each new
+    step's first round recomputes them. Counted: the tokens readmitted (recomputed from their ids)."""
+    from engine.engine import Engine
+    cfg = config(assets, stream__sampling_steps_ahead=1, stream__recompute_kv=recompute)
+    readmit, recomputed = Engine.readmit, []
+
+    def counting(engine, seqs):
+        recomputed.append(sum(len(s.ids) for s in seqs))
+        return readmit(engine, seqs)
+    monkeypatch.setattr(Engine, "readmit", counting)
+    run, stream, _ = make_run(cfg)
+    in_flight_at_steps = []
+    steps(run, stream, 3, each=lambda *a: in_flight_at_steps.append(len(stream.loop.open)))
+    stream.close()
+    assert any(in_flight_at_steps[:-1])  # episodes were in flight across a step boundary
+    if recompute:
+        assert sum(recomputed) > 0
+    else:
+        assert sum(recomputed) == 0, recomputed
+
+
+def test_decode_steps_are_counted_per_step(assets):
+    """k = 0, one round per step on a reset engine: a step's decode_steps_per_episode and live_row_frac
+    are that round's, as the engine's own counters give them (not a sum since the run's start)."""
+    cfg = config(assets)
+    run, stream, _ = make_run(cfg)
+    seen_steps = []
+
+    def check(step, kept, seen, m):
+        stats = run.sampler.engine.stats  # reset by this step's round
+        assert m["decode_steps_per_episode"] * len(seen) == stats["decode_steps"], (step, m, stats)
+        assert m["live_row_frac"] == stats["live_rows"] / (stats["decode_steps"] * stream.share_episodes)
+        seen_steps.append(stats["decode_steps"])
+    steps(run, stream, 3, each=check)
+    stream.close()
+    assert all(seen_steps)
+
+
+def test_rows_stay_in_joining_order_except_on_the_stream(assets, monkeypatch, turns_of_varied_length):
+    """The engine moves a leaving row's place to the last row (rows_in_place) only for a streaming
+    stream (k >= 1), whose batch changes every step; the synchronous step (k = 0) and every
+    rollout() (the evals) keep the rows in the order they joined, so their batched floats are the
+    joining order's. Seen from the decode batches the runner gets, against the scheduler's joins."""
+    from engine.model_runner import ModelRunner
+    from engine.scheduler import Scheduler
+    joins, batches, clock = {}, [], iter(range(10 ** 9))
+    started, decode = Scheduler.started, ModelRunner.decode
+
+    def join(sched, seqs):
+        for s in seqs:
+            joins[id(s)] = next(clock)
+        return started(sched, seqs)
+
+    def record(runner, seqs, n):
+        batches.append([joins[id(s)] for s in seqs])
+        return decode(runner, seqs, n)
+    monkeypatch.setattr(Scheduler, "started", join)
+    monkeypatch.setattr(ModelRunner, "decode", record)
+
+    def in_joining_order():
+        out = all(b == sorted(b) for b in batches)
+        batches.clear()
+        return out
+    wide = dict(sampling__max_decode_rows=0)  # a batch of 4+ rows: a leaving row's place can go to another
+    run, stream, exs = make_run(config(assets, **wide))
+    steps(run, stream, 2)
+    stream.close()
+    assert in_joining_order()
+    run, stream, exs = make_run(config(assets, stream__sampling_steps_ahead=1, **wide))
+    steps(run, stream, 2)
+    assert not in_joining_order()  # rows moved in place
+    sample_episodes(run.sampler, run.tokenizer, exs[:4], config(assets, **wide), n=2, seed=1)  # an eval's path
+    stream.close()
+    assert in_joining_order()
+
+
 def test_an_eval_pauses_the_stream_and_it_resumes_on_the_same_ids(assets):
     cfg = config(assets, stream__sampling_steps_ahead=1)
     run, stream, exs = make_run(cfg)
@@ -242,9 +377,11 @@ def test_an_eval_pauses_the_stream_and_it_resumes_on_the_same_ids(assets):
 # every chunk once, in order; dynamic sampling's refills; a saved and restored stream
 
 
-def test_every_chunk_is_trained_once_in_order_with_refills(assets, monkeypatch):
+def test_refill_rounds_train_every_chunk_once_in_order_and_tag_tokens_with_the_step(assets, monkeypatch):
     """Dynamic sampling keeps only groups whose first prompt index is even (a stand-in for groups
-    with a spread of rewards): steps take refill rounds from the stream, each chunk once, in order."""
+    with a spread of rewards): steps take refill rounds from the stream, each chunk once, in order.
+    Every sampled token carries the step whose weights sampled it (never the index of a chunk,
+    which refills push ahead of the step): no age is negative, none above k."""
     cfg = config(assets, stream__sampling_steps_ahead=1, grpo__dynamic_sampling=True, grpo__max_resample_rounds=3)
     run, stream, exs = make_run(cfg)
     ids = {ex["id"]: i for i, ex in enumerate(exs)}
@@ -253,6 +390,9 @@ def test_every_chunk_is_trained_once_in_order_with_refills(assets, monkeypatch):
 
     def check(step, kept, seen, m):
         seen_all.extend(seen)
+        versions = [v for e in seen for v, mask in zip(e.trajectory.versions, e.trajectory.loss_mask) if mask]
+        assert versions and all(step - 1 <= v <= step for v in versions), (step, sorted(set(versions)))
+        assert 0 <= m["staleness_mean"] <= m["staleness_max"] <= 1
         assert all(ids[e.example["id"]] % 2 == 0 for e in kept)
         assert len(kept) <= cfg.grpo.prompts_per_step * cfg.grpo.group_size
         rounds.append(len(seen) // (cfg.grpo.prompts_per_step * cfg.grpo.group_size))
@@ -266,10 +406,12 @@ def test_every_chunk_is_trained_once_in_order_with_refills(assets, monkeypatch):
 def test_a_restored_stream_trains_what_the_uninterrupted_one_trains(assets):
     """Saved after step 2 (plain data, through torch.save/load with weights_only) and restored into a
     new stream on the same weights: the episodes in flight come back with their ids, logprobs and
-    versions, and the tool calls in flight run again; the next steps train the same prompts, every
-    episode once. The save is taken a few loop iterations into the next round's work, once a tool
-    batch is in flight (due 30 engine steps after its turns ended)."""
-    cfg = config(assets, stream__sampling_steps_ahead=1, env__tool_overlap_steps=30)
+    versions, and the tool calls in flight run again, due at the same loop clock; the next steps
+    train what the uninterrupted run trains, every episode once, token for token (with
+    stream.recompute_kv both recompute the KV in flight at the same round, so the floats agree too).
+    The save is taken a few loop iterations into the next round's work, once a tool batch is in
+    flight (due 6 engine steps after its turns ended)."""
+    cfg = config(assets, stream__sampling_steps_ahead=1, env__tool_overlap_steps=6, stream__recompute_kv=True)
     run, stream, _ = make_run(cfg)
     steps(run, stream, 2)
     for _ in range(200):  # the loop goes on as the next round would, until a tool batch is in flight
@@ -285,7 +427,9 @@ def test_a_restored_stream_trains_what_the_uninterrupted_one_trains(assets):
     snapshot = [copy.deepcopy(x.state_dict()) for x in (run.model, run.optimizer, run.scheduler)]
     assert any(len(ids) > len(t.prompt_ids) for c in stream.chunks for t in c.trajs for ids, _, _ in
                [saved[t.seq.index]])  # some episode was in flight with sampled tokens
-    straight = [[e.example["id"] for e in seen] for _, seen, _ in steps(run, stream, 2, first=2)]
+    pending = [i for _, indices in state[0]["tools"] for i in indices]
+    rejoined = rejoin_clocks(stream)
+    straight = trained(steps(run, stream, 2, first=2))
     stream.close()
 
     for x, state_of in zip((run.model, run.optimizer, run.scheduler), snapshot):  # back to the save's weights
@@ -296,9 +440,33 @@ def test_a_restored_stream_trains_what_the_uninterrupted_one_trains(assets):
     for c in restored.chunks:
         for t in c.trajs:
             assert (t.ids, t.logprobs, t.versions) == saved[t.seq.index]
-    again = [[e.example["id"] for e in seen] for _, seen, _ in steps(run, restored, 2, first=2)]
+    rejoined_again = rejoin_clocks(restored)
+    again = trained(steps(run, restored, 2, first=2))
     restored.close()
-    assert again == straight  # the same prompts, in the same order: none lost, none twice
+    assert [[x[0] for x in s] for s in again] == [[x[0] for x in s] for s in straight]  # none lost, none twice
+    # the tool calls in flight at the save come back at the loop clock they were due at, as in the
+    # uninterrupted run (their rows rejoin the batch at the same engine step), and the resume is exact
+    assert [rejoined_again[i][0] for i in pending] == [rejoined[i][0] for i in pending]
+    assert again == straight
+
+
+def trained(results) -> list[list[tuple]]:
+    """Per step, each sampled episode's (example id, ids, logprobs, versions)."""
+    return [[(e.example["id"], list(e.trajectory.ids), list(e.trajectory.logprobs), list(e.trajectory.versions))
+             for e in seen] for _, seen, _ in results]
+
+
+def rejoin_clocks(stream) -> dict:
+    """{sequence index: the loop clocks at which its tool results came back}, filled as the stream runs."""
+    out, collect = {}, stream.loop.tools.collect
+
+    def recording(clock, idle):
+        got = collect(clock, idle)
+        for t, _ in got:
+            out.setdefault(t.seq.index, []).append(clock)
+        return got
+    stream.loop.tools.collect = recording
+    return out
 
 
 def test_a_checkpoint_with_episodes_in_flight_resumes_on_as_many_ranks(assets):
@@ -336,6 +504,15 @@ def test_two_ranks_stream_through_train_py(assets, tmp_path):
     trained = [x for x in lines if "train/staleness_max" in x]
     assert [x["step"] for x in trained] == [1, 2, 3, 4]
     assert all(x["train/staleness_max"] <= 1 for x in trained) and any(x["train/staleness_mean"] > 0 for x in trained)
+
+
+def test_two_ranks_log_the_staleness_of_every_rank():
+    """step_metrics on 2 gloo ranks (tests/stream_dist_check.py): rank 1 holds the oldest token (3
+    steps); both ranks log its age as the maximum, and the mean and stale share over all 8 tokens."""
+    from conftest import run_dist_check
+    out = run_dist_check("stream_dist_check.py", timeout=120)
+    assert out.returncode == 0, out.why()
+    assert sorted(out.lines()) == [f"RESULT rank={r} max=3 mean=0.5 stale=0.25" for r in (0, 1)], out.why()
 
 
 def test_lora_float16_mask_truncated_and_a_ctrl_c_save_under_streaming(assets, tmp_path):

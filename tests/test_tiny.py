@@ -212,6 +212,21 @@ def test_two_runs_starting_at_once_build_the_assets_once(tmp_path):
     assert not [p for p in shared.rglob("*") if p.name.endswith(".tmp")]
 
 
+def test_a_tiny_model_built_beside_data_it_does_not_prepare_is_built_once(tmp_path, capsys, loop_assets):
+    """model.build_tiny with data.prepare_toy false (a tiny model on data the run does not build):
+    once built, its folder holds no 'unfinished' stamp (a model not trained on the toy set gets
+    none), so the next run uses it instead of building it again."""
+    import config as C
+    own = tmp_path / "own_model"
+    cfg = C.load_config(loop_assets + ["--data.prepare_toy=false", f"--model.path={own}"])
+    capsys.readouterr()
+    for _ in range(2):
+        tiny.prepare_assets(cfg, Transformer, sft.gold_texts)
+    assert capsys.readouterr().out.count("building a tiny") == 1
+    assert not (own / "toy_version").exists()
+    Transformer.from_pretrained(str(own))
+
+
 def test_a_tiny_model_build_stopped_midway_is_built_again(tmp_path, monkeypatch, capsys):
     """The tiny model's folder gets config.json before its weights: a run killed in between left a
     folder that looked built, and the next run loaded it (no weights). The stamp says "unfinished"

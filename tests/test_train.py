@@ -615,7 +615,7 @@ def run_scripted_loop(monkeypatch, tmp_path, assets, reward_of, grad_norms, *arg
     monkeypatch.setattr(train, "evaluate", lambda *a, **k: {"eval/ex": 0.0})
     monkeypatch.setattr(train, "report_random_floor", lambda *a, **k: None)
     given = {}  # the advantages train.update was handed; each mini-batch records its share of them
-    monkeypatch.setattr(policy_update, "batch_tokens", lambda model, ref, trajs, advantages, cfg, device:
+    monkeypatch.setattr(policy_update, "batch_tokens", lambda model, ref, trajs, advantages, cfg, device, step:
                         given.update(advantages=advantages))
     monkeypatch.setattr(policy_update, "micro_batches", lambda model, trajs, idx, cfg, device: iter(updates.append(
         ([trajs[i].tag for i in idx], [float(given["advantages"][i][0]) for i in idx])) or ()))
@@ -709,7 +709,7 @@ def test_memory_estimate_counts_the_one_rank_fsdp2_layout():
 def test_load_splits_reports_both_files_at_once_and_skips_failing_golds(tmp_path, tiny_model):
     """Data problems of both splits (a malformed line, a 0-byte database) in one error before the
     warm start; a gold that fails on its database is skipped and named; every gold failing is an
-    error (the issue: a run whose golds all failed trained to the end, reward never 1)."""
+    error (a run whose golds all failed used to train to the end, reward never 1)."""
     from sqltask import dataset
     from toy.prepare_toy import prepare_toy
     toy = tmp_path / "toy"
@@ -742,13 +742,26 @@ def test_load_splits_reports_both_files_at_once_and_skips_failing_golds(tmp_path
     assert f"{tmp_path}/train.jsonl:3: not valid JSON" in msg, msg
     assert f"zero.sqlite: the database is an empty file (0 bytes) (used by 1 record(s), first on {tmp_path}/eval.jsonl:1" in msg
     # one failing gold: skipped and named
-    (train_ex, eval_ex), log = load([with_field(train_lines[0], gold_sql="SELECT nope FROM nowhere")] + train_lines[1:],
-                                    eval_lines)
-    assert len(train_ex) == 19 and len(eval_ex) == 10
+    (train_ex, held_out), log = load([with_field(train_lines[0], gold_sql="SELECT nope FROM nowhere")] + train_lines[1:],
+                                     eval_lines)
+    assert len(train_ex) == 19 and list(held_out) == ["eval"] and len(held_out["eval"]) == 10
     assert log == [f"WARNING: train: skipped 1 of 20 examples whose gold query fails on its database: "
                    f"{tmp_path}/train.jsonl:1: no such table: nowhere"]
     with pytest.raises(dataset.DatasetError, match=r"eval: every gold query \(10\) fails on its database"):
         load(train_lines, [with_field(line, gold_sql="SELECT 1 FROM nowhere") for line in eval_lines])
+    # data.unseen_eval_path: a second held-out set, its records limited by data.max_unseen_examples,
+    # its failing golds skipped and named under its own name
+    unseen_lines = (toy / "eval.jsonl").read_text().splitlines()[10:20]
+    (tmp_path / "eval.jsonl").write_text("\n".join(eval_lines) + "\n")
+    (tmp_path / "unseen.jsonl").write_text("\n".join([with_field(unseen_lines[0], gold_sql="SELECT 1 FROM nowhere")]
+                                                      + unseen_lines[1:]) + "\n")
+    cfg = C.load_config([f"--data.train_path={tmp_path}/train.jsonl", f"--data.eval_path={tmp_path}/eval.jsonl",
+                         f"--data.unseen_eval_path={tmp_path}/unseen.jsonl", "--data.max_unseen_examples=6",
+                         f"--data.db_root={toy}", "--data.prompt_template=compact", "--reward.mode=set"])
+    log = Printed()
+    _, held_out = train.load_splits(tok, cfg, log, 0, 1)
+    assert list(held_out) == ["eval", "unseen"] and len(held_out["unseen"]) == 5
+    assert log[-1].startswith("WARNING: unseen: skipped 1 of 6 examples whose gold query fails")
 
 
 def test_log_rewinds_to_a_checkpoint_and_sets_an_earlier_attempt_aside(tmp_path):

@@ -25,6 +25,7 @@ from pathlib import Path
 from trainer.config_loader import ConfigError, all_keys
 from trainer.credits import CREDITS
 from trainer.losses import LOSSES
+from trainer.rollout_correction import CORRECTIONS
 
 # -----------------------------------------------------------------------------
 # model.lora_targets
@@ -59,6 +60,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "data.max_prompt_tokens": (">= 1", ""),
     "data.max_train_examples": (">= 0", "0 = all"),
     "data.max_eval_examples": (">= 0", "0 = all"),
+    "data.max_unseen_examples": (">= 0", "0 = all"),
     "env.max_turns": (">= 1", "1 = answer at once, no tool call"),
     "env.step_budget": (">= 1", ""),
     "env.tool_overlap_steps": (">= 0", ""),
@@ -112,6 +114,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "grpo.rollout_is_low": (">= 0", ""),
     "grpo.rollout_is_high": ("> 0", ""),
     "grpo.rollout_is_delta": ("> 0", ""),
+    "grpo.rollout_is_max_age": (">= 0", "steps; a token sampled more than this many steps ago is masked"),
     "grpo.max_resample_rounds": (">= 0", ""),
     "grpo.ppo_epochs": (">= 1", ""),
     "grpo.mini_batches": (">= 1", ""),
@@ -212,7 +215,7 @@ def problems(cfg, world: int = 1) -> list[str]:
                    f"(each rank takes the same number of prompts): e.g. {max(world, g.prompts_per_step // world * world)}")
     if 0 < g.dual_clip_c <= 1:
         out.append(f"grpo.dual_clip_c must be 0 (off) or > 1, got {g.dual_clip_c}")
-    out += loss_problems(g) + credit_problems(g)
+    out += loss_problems(g) + credit_problems(g) + correction_problems(g, cfg.stream)
     if g.rollout_is_low >= g.rollout_is_high:
         out.append(f"grpo.rollout_is_low ({g.rollout_is_low}) must be below grpo.rollout_is_high ({g.rollout_is_high})")
     if s.kv_budget_tokens != "auto" and s.kv_budget_tokens < s.max_context:
@@ -280,6 +283,24 @@ def credit_problems(grpo_cfg) -> list[str]:
                        + ", ".join(str(getattr(defaults, key)) for key in spec.keys) + ": off, the outcome credit; "
                        "set its size")
     return out
+
+
+def correction_problems(grpo_cfg, stream_cfg) -> list[str]:
+    """grpo.rollout_is against its declaration (trainer/rollout_correction.py): a correction that reads
+    the tokens' ages needs stream.sampling_steps_ahead >= 1 (synchronous steps train only tokens of
+    age 0, so it would be constant), and age-mask's grpo.rollout_is_max_age must be below
+    stream.sampling_steps_ahead (no trained token is older than that: it would mask nothing)."""
+    spec = CORRECTIONS.get(grpo_cfg.rollout_is)
+    if spec is None:  # config_loader already refuses a name that is not registered
+        return [f"grpo.rollout_is must be one of {list(CORRECTIONS)}, got {grpo_cfg.rollout_is!r}"]
+    ahead = stream_cfg.sampling_steps_ahead
+    if spec.ages and ahead == 0:
+        return [f"grpo.rollout_is={spec.name} reads each token's age, and with stream.sampling_steps_ahead=0 every "
+                "trained token has age 0: set stream.sampling_steps_ahead >= 1 or pick another correction"]
+    if spec.name == "age-mask" and grpo_cfg.rollout_is_max_age >= ahead:
+        return [f"grpo.rollout_is_max_age={grpo_cfg.rollout_is_max_age}: no trained token is older than "
+                f"stream.sampling_steps_ahead={ahead} steps, so age-mask would mask nothing; set it below {ahead}"]
+    return []
 
 
 def validate(cfg, world: int = 1):

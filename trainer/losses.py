@@ -23,10 +23,12 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from trainer.rollout_correction import seq_mean
+# a log-ratio (log ρ, the rollout correction's log r, the KL's log π_ref/π_θ) is clamped to ±20 before
+# exp, as SkyRL and verl do: exp(±20) is finite in fp32, and beyond it one token would make a step inf
+LOG_RATIO_CLAMP = 20.0
 
 # -----------------------------------------------------------------------------
-# masked reductions (the losses' and grpo.policy_loss's)
+# masked reductions (the losses', the rollout corrections' and grpo.policy_loss's)
 
 
 def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
@@ -39,6 +41,17 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return masked_sum(x, mask) / mask.bool().sum().clamp(min=1)
 
 
+def seq_sum(x: Tensor, mask: Tensor) -> Tensor:
+    """(B, T) -> (B,): Σ_t over the masked tokens of each row (a row is one sequence; masked-out
+    values never leak)."""
+    return torch.where(mask.bool(), x, torch.zeros_like(x)).sum(-1)
+
+
+def seq_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """(B, T) -> (B,): mean over the masked tokens of each row; 0 for an all-masked row."""
+    return seq_sum(x, mask) / mask.bool().sum(-1).clamp(min=1)
+
+
 # -----------------------------------------------------------------------------
 # the registry
 
@@ -47,7 +60,7 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 class PgInputs:
     """What a loss reads, each (B, T), one sequence per row; masked positions (prompt, tool
     output, padding) hold 0 in every float field, so no inf/nan there reaches exp or a gradient."""
-    log_ratio: Tensor  # log ρ_t = log π_θ(y_t) - log π_old(y_t), clamped to ±20 (gradient through π_θ)
+    log_ratio: Tensor  # log ρ_t = log π_θ(y_t) - log π_old(y_t), clamped to ±LOG_RATIO_CLAMP (gradient through π_θ)
     logprobs: Tensor  # log π_θ(y_t) (gradient)
     advantages: Tensor  # A_t, each token's advantage (the credit)
     mask: Tensor  # bool: True on loss tokens

@@ -24,11 +24,13 @@ Tests: .venv/bin/pytest tests/test_policy_sampler.py
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engine.engine import Engine
 from engine.sampling import SamplingParams, StopChecker
-from trainer import lora
+from trainer import lora, memory
 from trainer.distributed import fsdp_modules, unsharded_class
 
 
@@ -36,7 +38,8 @@ class PolicySampler:
     def __init__(self, model, cfg, *, dtype: torch.dtype | None = None, device=None):
         """model: the trained model (FSDP2 or plain, LoRA or not): its config, buffers and weights
         (call refresh before sampling). cfg: config.SamplingConfig (its block size and KV budget
-        size the pool). dtype: the compute dtype (default: the model's first parameter's)."""
+        size the pool; auto, unsized by the caller, is sized here: see _pool_tokens). dtype: the
+        compute dtype (default: the model's first parameter's)."""
         first = next(model.parameters())
         device = torch.device(device) if device is not None else _local(first).device
         dtype = dtype or first.dtype
@@ -64,8 +67,9 @@ class PolicySampler:
 
     def _keep(self, model, cfg, dtype):
         """The inference model and its engine, kept for the run."""
-        self.model, self.cfg, self.dtype = model.eval().requires_grad_(False), cfg, dtype
         self.device = model.embed_tokens.weight.device
+        cfg = dataclasses.replace(cfg, kv_budget_tokens=_pool_tokens(model, cfg, dtype, self.device))
+        self.model, self.cfg, self.dtype = model.eval().requires_grad_(False), cfg, dtype
         # the pool: the whole budget, allocated once (an empty stop rule until the first rollout)
         self.engine = Engine(self.model, cfg, StopChecker(None, [], []), worst_case=[cfg.kv_budget_tokens],
                              dtype=dtype)
@@ -126,3 +130,17 @@ def _own_parameters(unit, prefix: str, prefixes: dict):
             if not any(full.startswith(p + ".") for p in nested):
                 yield full, param
     return own
+
+
+# auto with no work given: at most this many tokens (the pool's size before auto existed), within memory
+UNSIZED_WORK_TOKENS = 1_000_000
+
+
+def _pool_tokens(model, cfg, dtype: torch.dtype, device: torch.device) -> int:
+    """The pool's size in tokens: cfg.kv_budget_tokens, or for auto (a caller that did not size it,
+    as train.py and eval.py do with the whole run's memory in view) kv_memory_fraction of the memory
+    available now, capped at UNSIZED_WORK_TOKENS (the sampler does not know its work)."""
+    if cfg.kv_budget_tokens != "auto":
+        return int(cfg.kv_budget_tokens)
+    kv_bytes = memory.kv_bytes_per_token(model.config, dtype)
+    return memory.kv_budget(cfg, 0.0, kv_bytes, device, UNSIZED_WORK_TOKENS)

@@ -2,7 +2,7 @@
 there, each micro-batch's packed forward, grpo.loss_inputs, grpo.policy_loss, backward, then the
 optimizer step) needs around the loss:
 
-    tokens = batch_tokens(model, ref_model, trajs, advantages, cfg, device)   # per sequence, once per batch
+    tokens = batch_tokens(model, ref_model, trajs, advantages, cfg, device, step)   # per sequence, once per batch
     for idx in mini_batches(len(trajs), cfg.grpo):                            # ppo_epochs x mini_batches slices
         masks = loss_masks(trajs, idx)                                        # -> grpo.global_norm (a collective)
         for mb in micro_batches(model, trajs, idx, cfg, device):              # packed; every rank as many
@@ -73,19 +73,21 @@ class BatchTokens:
     """Per-sequence values of the loss tokens, {sequence index: (n_loss_tokens,)}, fixed for the
     whole update: old (the policy before it; None with one optimizer step per batch: then the
     current logprobs detached stand for it), ref (the KL reference; None without a KL term),
-    sampler (the sampler's logprobs), advantages (per token) and turns (each token's turn)."""
+    sampler (the sampler's logprobs), advantages (per token), turns (each token's turn) and ages
+    (each token's age at the trainer's step: Trajectory.token_ages)."""
     old: dict | None
     ref: dict | None
     sampler: dict
     advantages: dict
     turns: dict
+    ages: dict
 
 
 def batch_tokens(model: nn.Module, ref_model: nn.Module | None, trajs: list, advantages: list[Tensor],
-                 cfg: "config.Config", device: torch.device) -> BatchTokens:
+                 cfg: "config.Config", device: torch.device, step: int = 0) -> BatchTokens:
     """Score old / reference logprobs once per batch (only when needed) and collect the sampler's,
-    the advantages (advantages[i]: trajectory i's, one per loss token) and each token's turn.
-    trajs: rollout.Trajectory records."""
+    the advantages (advantages[i]: trajectory i's, one per loss token), each token's turn and its
+    age at the trainer's step `step`. trajs: rollout.Trajectory records."""
     grpo_cfg, budget, row_tokens = cfg.grpo, cfg.optim.micro_batch_tokens, cfg.optim.pack_row_tokens
     seqs, prompt_lens = _sequences(trajs)
     # each token's sampler logprob at the loss tokens, aligned like old_logp (rollout/trainer mismatch)
@@ -97,7 +99,8 @@ def batch_tokens(model: nn.Module, ref_model: nn.Module | None, trajs: list, adv
     ref = logprobs_of(ref_model, mbs, cfg.sampling.temperature, device) if ref_model is not None else None
     adv = {i: a.to(device=device, dtype=torch.float32) for i, a in enumerate(advantages)}
     turns = {i: torch.tensor(t.token_turns(), dtype=torch.long, device=device) for i, t in enumerate(trajs)}
-    return BatchTokens(old, ref, sampler_lp, adv, turns)
+    ages = {i: torch.tensor(t.token_ages(step), dtype=torch.long, device=device) for i, t in enumerate(trajs)}
+    return BatchTokens(old, ref, sampler_lp, adv, turns, ages)
 
 
 def _sequences(trajs: list) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
