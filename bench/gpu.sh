@@ -6,8 +6,9 @@
 #                                              #   memory per phase, the suite with CUDA visible
 #   PARTS=first bash bench/gpu.sh [OUT_DIR]    # ~8 min of limits: the run users will do
 #   PARTS=second bash bench/gpu.sh [OUT_DIR]   # 3 min: the suite, rollout vs generate, a decode profile
-#   PARTS="tests grpo_run" bash bench/gpu.sh   # any parts by name; PARTS=all: every part (~45 min)
+#   PARTS=vs_trl bash bench/gpu.sh [OUT_DIR]   # 5 min: our GRPO step against TRL's GRPOTrainer (bf16)
 #   PARTS=smollm2 bash bench/gpu.sh [OUT_DIR]  # 9 min: the real-model recipe at sql_env's scale (bf16)
+#   PARTS="tests grpo_run" bash bench/gpu.sh   # any parts by name; PARTS=all: every part (~60 min)
 #   SMOKE=1 PARTS=first bash bench/gpu.sh DIR  # CPU dry run, tiny shapes (tests/test_gpu_preset.py)
 #
 # Each part runs under its own time limit (they add up to the preset's), a failing part does not
@@ -34,8 +35,18 @@
 #   failures), rollout_vs_generate (the grpo run's rollout phase against transformers generate on
 #   the same turn shapes, bench/rollout_vs_generate.py), decode_profile (one B=256 rollout of the
 #   decode benchmark under torch.profiler: device against host time, launches per step).
+# vs_trl (a preset of one part): one GRPO step, ours against TRL's GRPOTrainer on the same work
+#   (bench/vs_trl.py: 16 prompts x 4, 128 new tokens, one optimizer step, interleaved pairs, the
+#   first a warm-up), bf16 on both sides (fp32 masters), TRL with transformers generate, and with
+#   vLLM (colocate) only where vllm imports. With runs/smollm2 and $SPIDER_DIR on the machine it runs
+#   on them; otherwise on the toy set ($RUNS/toy) with a random body in SmolLM2-135M's shape (the GPU
+#   machine has neither: the checkpoint is 540 MB). trl is not installed there: carry its wheels as
+#   wheels/trl (made on any machine with `pip download -d wheels/trl --no-deps --only-binary=:all:
+#   --python-version 3.12 --platform manylinux2014_x86_64 trl==1.16.0 datasets==5.2.0 dill==0.4.1
+#   multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0 fsspec==2026.9.0
+#   accelerate==1.15.0`) and the part installs them.
 # all (each as in bench/RESULTS.md): tests attention paged_attention sampler sampler_graphs
-#   rollout_scale train_step long_microbatch update_mfu, and both presets.
+#   rollout_scale train_step long_microbatch update_mfu, and the presets.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu}
@@ -50,7 +61,7 @@ RUNS=${RUNS:-runs}  # where the runs and the model go (the toy data: configs/tin
 ENGINE="decode05 decode7b grpo_run grpo_resume lora_run tests"
 FIRST="grpo_run grpo_resume decode lora_run"
 SECOND="tests rollout_vs_generate decode_profile"
-ALL="attention paged_attention sampler sampler_graphs rollout_scale train_step long_microbatch update_mfu decode05 decode7b $FIRST $SECOND smollm2"
+ALL="attention paged_attention sampler sampler_graphs rollout_scale train_step long_microbatch update_mfu decode05 decode7b $FIRST $SECOND vs_trl smollm2"
 PARTS=${PARTS:-first}
 PARTS=${PARTS//engine/$ENGINE}
 PARTS=${PARTS//first/$FIRST}
@@ -188,6 +199,20 @@ part long_microbatch 150 $PY bench/long_microbatch.py --shape qwen2.5-7b --token
 
 # (8) the GRPO update at the 7B recipe's shape (FlexAttention compiles on the first micro-batch)
 part update_mfu 420 $PY bench/update_mfu.py --device cuda --compare
+
+# (10) one GRPO step, ours against TRL's GRPOTrainer
+if ran vs_trl && ! $PY -c "import trl" 2>/dev/null && [ -d wheels/trl ]; then
+    $PY -m pip install -q --no-index --find-links wheels/trl trl datasets 2>&1 | tail -n 3
+fi
+if [ "$SMOKE" = 1 ]; then
+    VS_TRL="--toy $RUNS --smoke"
+elif [ -f runs/smollm2/config.json ] && [ -n "${SPIDER_DIR:-}" ]; then
+    VS_TRL="--device cuda --dtype bfloat16 --vllm --pairs 4 --warmup"
+else
+    VS_TRL="--toy $RUNS --device cuda --dtype bfloat16 --vllm --pairs 4 --warmup"
+fi
+# shellcheck disable=SC2086
+part vs_trl 300 $PY bench/vs_trl.py $VS_TRL
 
 # (11) the real-model recipe (configs/smollm2_sql_env.yaml) at sql_env's own scale: 2 samples a
 # prompt, 32 prompts a step, 200 steps after a warm start of 100 steps of 16 gold episodes, bf16,

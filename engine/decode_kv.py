@@ -31,8 +31,13 @@ class DecodeKV:
     a column a row has not written holds another row's finite K/V or zeros, which its attention mask
     never reads (SDPA gives a masked position weight exactly 0; never NaN, so 0 * it stays 0)."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, max_tokens: int = 0):
+        """max_tokens: the most positions a row can hold (sampling.max_context); widening doubles the
+        columns but stops there (0: no cap). The copy is rows x columns x (the pool's bytes a token),
+        zeroed when it grows: at 64 rows of 1.3k-token prompts and 128 new tokens, an uncapped
+        doubling makes it 2600 columns where 1441 suffice (SmolLM2-135M, float32: 7.7 GB against 4.2)."""
         self.cache = cache
+        self.max_tokens = max_tokens
         L, _, _, Hk, D = cache.k.shape
         self.k = cache.k.new_zeros(L, 0, Hk, 1, D)
         self.v = cache.v.new_zeros(L, 0, Hk, 1, D)
@@ -67,7 +72,8 @@ class DecodeKV:
         """Room for positions [0, tokens) plus the dummy column (widened at least twofold), then the
         joining rows' blocks copied out of the pool: tables (B, W) each row's block table."""
         if tokens + 1 > self.width:
-            width = max(tokens + 1, 2 * self.width)
+            doubled = 2 * self.width if not self.max_tokens else min(2 * self.width, self.max_tokens + 1)
+            width = max(tokens + 1, doubled)
             k = self.k.new_zeros(*self.k.shape[:3], width, self.k.shape[4])
             v = torch.zeros_like(k)
             k[..., :self.used, :], v[..., :self.used, :] = self.k[..., :self.used, :], self.v[..., :self.used, :]

@@ -75,7 +75,8 @@ class ModelRunner:
             self.graphs.set_candidates(self.candidates)
         # the eager gather path keeps the rows' K/V copied out across steps (decode_kv.py); graphs
         # replay steps that do not update such a copy, and flex reads the pool in place
-        kv = DecodeKV(self.cache) if self.graphs is None and self.cache.attention == "gather" else None
+        kv = DecodeKV(self.cache, -(-self.cfg.max_context // self.cache.block_size) * self.cache.block_size) \
+            if self.graphs is None and self.cache.attention == "gather" else None
         self.rows = DecodeRows(self.device, self.cache.block_size, self.cache.scratch, kv)
 
     def sample(self, logits, keys, positions, seqs):

@@ -77,3 +77,18 @@ def test_widening_keeps_what_was_written():
     k, _ = kv.read(1, 4 * BS)
     assert torch.equal(k[0, :, 2], k_new[0, 0])
     assert torch.equal(k[0, :, :2], by_hand(cache, [3], 2, 1)[0])
+
+
+def test_widening_stops_at_the_longest_row():
+    """Doubling stops at max_tokens (+ the dummy column); a window past it still gets its columns."""
+    cache = pool()
+    tables = torch.tensor([[3, 7, 1, 2]])
+    kv = DecodeKV(cache, max_tokens=3 * BS)
+    kv.select(1, None, None, torch.tensor([0]))
+    kv.fit(tables, 2 * BS)
+    kv.fit(tables, 2 * BS + 1)
+    assert kv.width == 3 * BS + 1  # not 2 x (2 BS + 1)
+    kv.fit(tables, 4 * BS)
+    assert kv.width == 4 * BS + 1
+    k, _ = kv.read(1, 4 * BS)
+    assert torch.equal(k[0, :, :2 * BS], by_hand(cache, [3, 7], 2 * BS, 1)[0])  # loaded at the first fit, kept
