@@ -98,7 +98,7 @@ def test_a_warm_start_that_had_ended_does_not_run_again(tmp_path, monkeypatch):
     args = small_args(tmp_path) + ["--sft.steps=10", "--sft.stop_at_train_ex=0.5", "--sft.stop_at_train_recovery=0",
                                    "--sft.stop_check_every=3", "--sft.stop_check_from=0", "--sft.stop_near_ex=0",
                                    "--sft.stop_check_unseen=false", "--sft.stop_check_questions=4",
-                                   "--sft.save_every=4", "--train.steps=0",
+                                   "--sft.stop_checks_in_a_row=1", "--sft.save_every=4", "--train.steps=0",
                                    "--train.eval_every=0", f"--train.out_dir={tmp_path}/run", "--env.workers=1"]
     monkeypatch.setattr(runguard, "lock_out_dir", lambda out_dir: None)  # two runs in one process
     monkeypatch.setattr(sft, "evaluate", lambda *a, prefix="", **k: {f"{prefix}/ex": 1.0})  # the check passes
