@@ -4,7 +4,10 @@
         [--prompts 64] [--threads 2]
     # a real model's tail: the recipe's warm start, k = 0, 1 and 2 (every arm alternating in each pair)
     .venv/bin/python bench/sync_vs_stream.py --warm runs/smollm2_sql_env/ckpt_000000/hf \
-        --config configs/smollm2_sql_env.yaml --set data.db_root=$SPIDER_DIR --ahead 1,2 --prompts 16 --steps 2 --pairs 1
+        --config configs/smollm2_sql_env.yaml --set data.db_root=$SPIDER_DIR --set grpo.dynamic_sampling=false \
+        --set sampling.kv_budget_tokens=102400 --ahead 1,2 --prompts 16 --steps 2 --pairs 1
+    # (dynamic sampling off: every sampled episode is trained, so "per trained episode" always has a
+    # figure; a fixed KV pool: every arm batches alike on any machine)
 
 --warm: the main command's policy before its first GRPO step (its ckpt_000000/hf, after the warm
 start): a random model never answers, so its episodes all run the same turns and there is no tail
