@@ -294,6 +294,29 @@ def generate_config(args):
     return cfg, model_dir, source
 
 
+def inference_sampler(cfg, model_dir: str, device, rows: int):
+    """The tokenizer and a sampler on the folder's weights for decoding only -> (tok, sampler, a line
+    describing its KV pool). A full copy per rank in the compute dtype, no FSDP2: inference needs no
+    fp32 masters, and ranks decode different chunks, which sharded weights (lock-step all-gathers)
+    would forbid. The KV pool: sampling.kv_budget_tokens, or (auto) a share of the memory left beside
+    the loaded weights, capped at `rows` episodes at sampling.max_context; a budget the memory cannot
+    hold stops here, not in the OOM killer."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    dtype = distributed.compute_dtype(cfg)
+    model = Transformer.from_pretrained(model_dir, dtype=dtype, device=device)
+    kv_bytes = memory.kv_bytes_per_token(model.config, dtype)
+    weights_gb = distributed.param_count(model) * dtype.itemsize / memory.GB
+    available = memory.available_gb(device)
+    tokens = memory.kv_budget(cfg.sampling, 0.0, kv_bytes, device, rows * cfg.sampling.max_context, available=available)
+    memory.check_fits({"total": weights_gb + tokens * kv_bytes / memory.GB, "kv_cache": tokens * kv_bytes / memory.GB,
+                       "rollout_weights": weights_gb}, device, weights_gb, available=available)
+    sampler = PolicySampler.for_model(model, dataclasses.replace(cfg.sampling, kv_budget_tokens=tokens), dtype=dtype)
+    return tok, sampler, (f"KV pool {tokens} tokens ({tokens * kv_bytes / memory.GB:.2f} GB; sampling.kv_budget_tokens="
+                          f"{cfg.sampling.kv_budget_tokens}), weights {weights_gb:.2f} GB, {available[0]:.1f} GB "
+                          f"{available[1]}")
+
+
 def cmd_generate(args) -> None:
     # nothing is downloaded at run time: without this a --model that is not a folder is taken for a
     # hub name and retried for ~50 s (read when huggingface_hub is first imported)
@@ -301,7 +324,6 @@ def cmd_generate(args) -> None:
     t0 = time.time()
     cfg, model_dir, source = generate_config(args)  # before the model is loaded: a bad flag fails at once
     import torch
-    from transformers import AutoTokenizer
     data = args.data or cfg.data.eval_path
     T = cfg.sampling.eval_temperature if args.temperature is None else args.temperature
     if args.n > 1 and T == 0:
@@ -328,23 +350,8 @@ def cmd_generate(args) -> None:
     n_gold_failed = sum(bool(e) for e in errors)
     if note:
         say(f"WARNING: {note}")
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    # a full copy per rank in the compute dtype, no FSDP2: inference only (no fp32 masters needed)
-    # and ranks decode different chunks, which sharded weights (lock-step all-gathers) would forbid
-    dtype = distributed.compute_dtype(cfg)
-    model = Transformer.from_pretrained(model_dir, dtype=dtype, device=device)
-    # the KV pool: sampling.kv_budget_tokens, or (auto) a share of the memory left beside the loaded
-    # weights, capped at one chunk's rows; a budget the memory cannot hold stops here, not in the OOM killer
-    kv_bytes = memory.kv_bytes_per_token(model.config, dtype)
-    weights_gb = distributed.param_count(model) * dtype.itemsize / memory.GB
-    available = memory.available_gb(device)
-    tokens = memory.kv_budget(cfg.sampling, 0.0, kv_bytes, device, args.chunk * args.n * cfg.sampling.max_context,
-                              available=available)
-    memory.check_fits({"total": weights_gb + tokens * kv_bytes / memory.GB, "kv_cache": tokens * kv_bytes / memory.GB,
-                       "rollout_weights": weights_gb}, device, weights_gb, available=available)
-    say(f"[{label}] KV pool {tokens} tokens ({tokens * kv_bytes / memory.GB:.2f} GB; sampling.kv_budget_tokens="
-        f"{cfg.sampling.kv_budget_tokens}), weights {weights_gb:.2f} GB, {available[0]:.1f} GB {available[1]}")
-    sampler = PolicySampler.for_model(model, dataclasses.replace(cfg.sampling, kv_budget_tokens=tokens), dtype=dtype)
+    tok, sampler, pool = inference_sampler(cfg, model_dir, device, args.chunk * args.n)
+    say(f"[{label}] {pool}")
     say(f"[{label}] {model_dir} on {data}: {len(exs)} examples x {args.n}, {world} process(es), chunks of "
         f"{args.chunk} (a progress line after each)")
     # fixed chunks dealt round-robin to ranks: the same rollout calls whatever the world size

@@ -191,15 +191,17 @@ def max_turns(env_cfg) -> int:
 
 def rollout(model, tokenizer, examples, env_cfg, sampling_cfg, data_cfg, db_root, *, n: int = 1, seed: int = 0,
             greedy: bool = False, dtype=None, logits_hook=None, stats: dict | None = None,
-            engine: Engine | None = None) -> list[Trajectory]:
+            engine: Engine | None = None, starts: tuple[list, list] | None = None) -> list[Trajectory]:
     """Multi-turn episodes, n samples per example (example-major: index i*n + j is sample j of
     example i). Each example needs db_path (absolute or relative to db_root) + what
     prompts.build_messages reads (question, evidence, ...). dtype: the KV cache's (the compute
     dtype; default the parameters'). stats: a dict to fill with Engine.counters (prefilled
     tokens, peak blocks, ...). engine: a persistent Engine on `model` (trainer/policy_sampler.py) reset and
     reused, its pool, buffers and graphs kept; default a new one for this rollout, freed after.
-    Returns P*n Trajectories."""
-    trajs, dbs = start_episodes(tokenizer, examples, env_cfg, data_cfg, db_root, n=n, seed=seed)
+    starts: (Trajectory.start episodes, their database paths) to run instead of fresh ones of
+    `examples`: a conversation already under way as the prompt (bench/recovery_probe.py); the env
+    then allows env_cfg's turns after it. Returns P*n Trajectories (or the starts)."""
+    trajs, dbs = starts or start_episodes(tokenizer, examples, env_cfg, data_cfg, db_root, n=n, seed=seed)
     stopper = episode_stopper(tokenizer, env_cfg, model.config.vocab_size)
     worst = [worst_case(t, env_cfg, sampling_cfg) for t in trajs]
     if engine is None:
