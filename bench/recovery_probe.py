@@ -3,6 +3,7 @@
     .venv/bin/python bench/recovery_probe.py --model runs/recipe/s0/ckpt_000000 [--model CKPT2 ...]
                                              [--db-root $SPIDER_DIR] [--data FILE.jsonl] [--limit 100]
                                              [--out DIR] [--group.key=value ...]
+    .venv/bin/python bench/recovery_probe.py --records DIR/NAME.jsonl [...]   # its figures again
 
 The evals count recovery on the policy's own episodes (eval/recovery_rate: the first query failed or
 returned no rows, and the episode still ended right). A policy that never queries before it answers
@@ -16,9 +17,11 @@ count. This probe makes the event happen with the policy's own SQL:
    result that the answer would have produced;
 3. the conversation so far, the forced query and its observation are the prompt of a greedy
    continuation with the turns the episode had left (rollout.rollout's `starts`);
-4. of the forced queries that failed or returned no rows, the share whose continuation ends right is
-   the recovery rate; `retried` counts those that answered with other SQL than the failed one.
-   Forced queries that returned rows show whether seeing the rows keeps a right answer right.
+4. of the forced queries of wrong answers that failed or returned no rows, the share whose
+   continuation ends right is the recovery rate; `retried` counts those that answered with other SQL
+   than the failed one. An empty result that is the right answer (the gold has no rows either) is no
+   failure: counted apart. Forced queries that returned rows show whether seeing the rows keeps a
+   right answer right.
 
 Settings are the checkpoint's own (eval.py generate's rule). Writes DIR/<model name>.jsonl (one line
 per probed episode) and prints, per model, headline lines `recovery_rate[NAME]: value` last.
@@ -120,18 +123,22 @@ def continue_episodes(model, tok, starts: list[tuple], cfg, engine=None, logits_
 
 
 def summarise(recs: list[dict]) -> dict:
-    """Counts per case, and the recovery figures: of the failed or empty forced queries, how many
-    ended right (recovered), answered with other SQL (retried) or queried again (requeried); of those
-    that returned rows, how many answers stayed right, turned right or turned wrong."""
+    """Counts per case, and the recovery figures. A failed or empty forced query of a wrong answer
+    is the event: of those, how many ended right (recovered), answered with other SQL (retried) or
+    queried again (requeried). An empty result can also be the right answer (the gold returns no
+    rows): counted apart (empty_right, and how many stayed right). Of the forced queries that
+    returned rows: how many answers stayed right, turned right or turned wrong."""
     s = {"n": len(recs), "ex": sum(r["answer_right"] for r in recs) / max(1, len(recs))}
     for case in ("no_answer", "queried", "no_turn_left", "unforceable", "failed", "empty", "rows"):
         s[case] = sum(r["case"] == case for r in recs)
-    bad = [r for r in recs if r["case"] in ("failed", "empty")]
+    bad = [r for r in recs if r["case"] in ("failed", "empty") and not r["answer_right"]]
     norm = lambda sql: " ".join((sql or "").split()).rstrip(";").lower()  # noqa: E731
     s.update(bad=len(bad), recovered=sum(r["right"] for r in bad),
              retried=sum(r["final_sql"] is not None and norm(r["final_sql"]) != norm(r["answer"]) for r in bad),
              requeried=sum(r["requeried"] for r in bad),
              recovery_rate=sum(r["right"] for r in bad) / len(bad) if bad else None)
+    empty_right = [r for r in recs if r["case"] == "empty" and r["answer_right"]]
+    s.update(empty_right=len(empty_right), empty_right_stayed=sum(r["right"] for r in empty_right))
     rows = [r for r in recs if r["case"] == "rows"]
     s.update(rows_stayed_right=sum(r["answer_right"] and r["right"] for r in rows),
              rows_turned_right=sum(not r["answer_right"] and r["right"] for r in rows),
@@ -173,7 +180,9 @@ def probe(model_path: str, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", action="append", required=True, help="a checkpoint (ckpt_<step>/), its hf/, or an HF folder")
+    ap.add_argument("--model", action="append", default=[], help="a checkpoint (ckpt_<step>/), its hf/, or an HF folder")
+    ap.add_argument("--records", action="append", default=[], help="a jsonl this probe wrote: summarised again, "
+                    "nothing sampled")
     ap.add_argument("--config", default="", help="settings when --model is no checkpoint (eval.py generate's rule)")
     ap.add_argument("--data", default="", help="held-out jsonl (default: the settings' data.eval_path)")
     ap.add_argument("--db-root", default="", help="where the records' databases are (default: data.db_root)")
@@ -182,13 +191,19 @@ def main() -> None:
     ap.add_argument("--out", default="runs/recovery_probe", help="one jsonl per model ('' = none)")
     args, args.overrides = ap.parse_known_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not args.model and not args.records:
+        ap.error("give --model (probe a policy) or --records (summarise a probe's jsonl again)")
     results = [probe(m, args) for m in args.model]
+    for path in args.records:
+        with open(path) as fh:
+            results.append(dict(summarise([json.loads(line) for line in fh]), model=path))
     for s in results:
         print(json.dumps(s))
     for s in results:
-        rate = "n/a (no forced query failed)" if s["recovery_rate"] is None else f"{s['recovery_rate']:.3f}"
-        print(f"recovery_rate[{s['model']}]: {rate} ({s['recovered']}/{s['bad']}: {s['failed']} failed + "
-              f"{s['empty']} empty; retried {s['retried']}, requeried {s['requeried']}; EX {100 * s['ex']:.1f}%)")
+        rate = "n/a (no wrong answer's query failed)" if s["recovery_rate"] is None else f"{s['recovery_rate']:.3f}"
+        print(f"recovery_rate[{s['model']}]: {rate} ({s['recovered']}/{s['bad']} wrong answers whose query "
+              f"failed ({s['failed']}) or came back empty ({s['empty'] - s['empty_right']}); retried "
+              f"{s['retried']}, requeried {s['requeried']}; EX {100 * s['ex']:.1f}%)")
 
 
 if __name__ == "__main__":

@@ -86,3 +86,15 @@ def test_no_turn_left_and_no_answer_are_not_forced(tok, db, model):
     cfg = config(db, max_turns=1)
     recs, starts = probe.force_queries(episodes_of(tok, db, model, cfg, [[WRONG], [LOOKUP]]), tok, cfg)
     assert [r["case"] for r in recs] == ["no_turn_left", "no_answer"] and starts == []
+
+
+def test_an_empty_result_that_is_right_is_no_failure():
+    """A forced query that comes back empty on a question whose gold has no rows either is the right
+    answer, not an event to recover from: counted apart, never as a recovery."""
+    def rec(case, answer_right, right, final_sql="SELECT 1"):
+        return {"case": case, "answer_right": answer_right, "right": right, "final_sql": final_sql,
+                "answer": "SELECT 1", "requeried": False}
+    s = probe.summarise([rec("empty", True, True), rec("empty", False, True, "SELECT 2"),
+                         rec("failed", False, False), rec("empty", False, False)])
+    assert (s["empty"], s["empty_right"], s["empty_right_stayed"]) == (3, 1, 1)
+    assert (s["bad"], s["recovered"], s["retried"], s["recovery_rate"]) == (3, 1, 1, pytest.approx(1 / 3))
