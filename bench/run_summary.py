@@ -3,7 +3,8 @@
     python bench/run_summary.py RUN_DIR LOG [--prefix grpo]
 
 Prints `name: value` lines: mean rollout / reward / update seconds per GRPO step (the first step
-apart: it captures CUDA graphs and compiles FlexAttention), sampled tokens per rollout second,
+apart: it captures CUDA graphs and compiles FlexAttention; a step that trained no group counts 0 s
+of update), sampled tokens per rollout second,
 peak GB per phase (CUDA) against the memory estimate train.py printed for that phase (`memory
 estimate per device (GB): ..., rollout X, update Y, total Z`), and the steps logged (a resumed run
 must continue the step count without repeating one). --from-step N (a resumed run): the first
@@ -44,8 +45,8 @@ def summary(rows: list[dict], log_text: str, prefix: str, from_step: int = 0) ->
     out.append(f"{prefix}_repeated_steps: {len(numbers) - len(set(numbers))}")
     later = steps[1:] or steps
     for key in ("rollout", "reward", "update", "step"):
-        if later:
-            out.append(f"{prefix}_{key}_s: {statistics.mean(r[f'time/{key}'] for r in later):.2f}")
+        if later:  # a step whose groups dynamic sampling all dropped ran no update: 0 s there
+            out.append(f"{prefix}_{key}_s: {statistics.mean(r.get(f'time/{key}', 0.0) for r in later):.2f}")
     if steps:
         out.append(f"{prefix}_first_step_s: {steps[0]['time/step']:.2f}")
         out.append(f"{prefix}_rollout_tok_s: {statistics.mean(r['train/tokens_per_s'] for r in later):.0f}")

@@ -6,6 +6,7 @@ only collects) and every part must exit 0 and print its headline figures.
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,18 @@ def test_the_presets_run_on_cpu(tmp_path):
                      "resumed_first_rollout_over_steady:", "decode_tok_s_smoke_b4", "rollout_speedup_vs_generate:",
                      "launches_per_decode_step_smoke", "step_speedup_vs_trl:"):
         assert headline in summary, (headline, summary)
+
+
+def test_run_summary_reads_a_step_that_trained_no_group():
+    """Dynamic sampling can drop every group of a step: train.py then logs no time/update for it.
+    run_summary counts that step's update as 0 s instead of failing (the smollm2 part's smoke step
+    is such a step)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import run_summary
+    rows = [{"step": 1, "time/step": 9.0, "time/rollout": 6.0, "time/reward": 0.0, "time/update": 3.0,
+             "train/tokens_per_s": 10.0},
+            {"step": 2, "time/step": 4.0, "time/rollout": 4.0, "time/reward": 0.0, "train/tokens_per_s": 10.0},
+            {"step": 3, "time/step": 8.0, "time/rollout": 5.0, "time/reward": 0.0, "time/update": 3.0,
+             "train/tokens_per_s": 12.0}]
+    lines = dict(line.split(": ") for line in run_summary.summary(rows, "", "p"))
+    assert lines["p_update_s"] == "1.50" and lines["p_rollout_s"] == "4.50" and lines["p_steps_logged"] == "3"
