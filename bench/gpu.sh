@@ -218,10 +218,10 @@ part vs_trl 300 $PY bench/vs_trl.py $VS_TRL
 # prompt, 32 prompts a step, 200 steps after a warm start of 100 steps of 16 gold episodes, bf16,
 # every held-out question. Dynamic sampling stays on execution match, as in the config: trained on
 # every group, pairs of wrong answers learn sql_env's dense shaping alone (on 2 CPU cores 6 such
-# steps lowered held-out EX 17% -> 9%, while 30 steps on EX raised it 17% -> 26%). On runs/smollm2 and $SPIDER_DIR when the machine has them (the folder is
-# 540 MB and the wheel 93 MB: neither travels with a loan's working tree), else on the toy set with a
-# random body in SmolLM2-135M's shape (its 1k vocabulary, not 49k): then only the timings mean
-# anything. Cut at its limit, it has logged every step it finished (metrics.jsonl).
+# steps lowered held-out EX 17% -> 9%, while 30 steps on EX raised it 17% -> 26%). On runs/smollm2
+# and $SPIDER_DIR when the machine has them (the folder is 540 MB and the wheel 93 MB: neither
+# travels with a loan's working tree), else on the toy set with a random body in SmolLM2-135M's
+# shape (its 1k vocabulary, not 49k): then only the timings mean anything. Cut at its limit, it has logged every step it finished (metrics.jsonl).
 SQL_ENV_SCALE="--model.dtype=bfloat16 --grpo.group_size=2 --grpo.prompts_per_step=32 \
     --sft.steps=100 --sft.batch_size=16 --train.steps=200 --train.eval_every=50 --train.sample_every=0 \
     --train.threads=0 --train.resume=false --train.out_dir=$RUNS/gpu_smollm2"

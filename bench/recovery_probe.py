@@ -62,11 +62,10 @@ def as_query(turn: str, protocol: str) -> str | None:
     return query if meant.kind in ("solution", "answer") and said.kind in QUERY_KINDS and said.arg == meant.arg else None
 
 
-
 def force_queries(episodes, tok, cfg) -> tuple[list[dict], list[tuple]]:
     """Each episode's answer turned into a query and run by the env. -> (one record per episode,
-    with its `case`; the continuations to sample: (record, prompt ids, turns left) for every forced
-    query that ran). Cases: no_answer (it never answered), queried (a query came before the answer:
+    with its `case`; the continuations to sample: (record, example, prompt ids, turns left) for every
+    forced query that ran). Cases: no_answer (it never answered), queried (a query came before the answer:
     its own first query is what the evals count), no_turn_left (the answer was its last allowed
     turn), unforceable (the rewrite does not parse as the same query), then the forced query's
     outcome: failed (an error or a timeout), empty (no rows) or rows."""
@@ -150,7 +149,6 @@ def probe(model_path: str, args) -> dict:
     """One model: its greedy episodes, the forced queries, the continuations -> summarise's dict."""
     import torch
     from rollout import sample_episodes
-    from trainer import distributed
     t0 = time.time()
     cfg, model_dir, source = evaluation.generate_config(SimpleNamespace(
         model=model_path, config=args.config, overrides=args.overrides, n=1, chunk=1, limit=args.limit,
