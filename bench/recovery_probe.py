@@ -86,8 +86,9 @@ def force_queries(episodes, tok, cfg) -> tuple[list[dict], list[tuple]]:
         else:
             start, end = t.turn_spans[-1]
             query = as_query(tok.decode(t.ids[start:end]), protocol)
-            rec["case"] = "unforceable" if query is None else "forced"
-            if query is not None:
+            if query is None:
+                rec["case"] = "unforceable"
+            else:  # its case is the forced query's outcome, set below
                 todo.append((rec, e, t.ids[:start], query, left))
     steps = env.step_batch([dataset.abs_db_path(e.example, cfg.data.db_root) for _, e, *_ in todo],
                            [query for *_, query, _ in todo], [left for *_, left in todo], cfg.env)
